@@ -1,0 +1,36 @@
+# shoal: one entry point for setup, code generation, the example and the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.setup-stamp
+
+.PHONY: setup proto run test test-fast bench clean
+
+# Installs every Python and Debian package the project and its tests need.
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt scripts/setup-system.sh
+	bash scripts/setup-system.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# Regenerates proto/*_pb2*.py from proto/shoal.proto.
+proto: setup
+	$(PY) scripts/gen_proto.py
+
+# Trains the digits example on a local cluster (chief, 2 ps, 2 workers).
+run: setup
+	$(VENV)/bin/shoal local --ps 2 --workers 2 --mode sync --summary runs/summary.json examples/digits.py
+	@cat runs/summary.json; echo
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -m 'not system'
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs .pytest_cache

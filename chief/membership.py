@@ -1,0 +1,140 @@
+"""Members of the job and their leases, driven by an injected clock.
+
+Lifecycle of a member (``MemberState``)::
+
+    IDLE  --takes a task-----> ALIVE   (workers join IDLE: they hold no data yet)
+    ALIVE --runs out of tasks-> IDLE    (sync rounds do not wait for idle workers)
+    ALIVE/IDLE --heartbeat----> unchanged, lease renewed
+    ALIVE/IDLE --leave--------> LEFT    (graceful: its tasks were returned first)
+    ALIVE/IDLE --lease ends---> EXPIRED (crashed or cut off; it must join again)
+
+LEFT and EXPIRED are final for that member id; a process that comes back joins
+again (optionally asking for its old id, which it gets back if it has expired).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from shoal.errors import InvalidArgument, NotFound
+
+log = logging.getLogger(__name__)
+
+
+class Role(str, enum.Enum):
+    WORKER = "worker"
+    PS = "ps"
+
+
+class MemberState(str, enum.Enum):
+    ALIVE = "alive"
+    IDLE = "idle"
+    LEFT = "left"
+    EXPIRED = "expired"
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    samples: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+
+
+@dataclass
+class Member:
+    member_id: str
+    role: Role
+    address: str
+    host: str
+    joined_at: float
+    lease_until: float
+    state: MemberState = MemberState.ALIVE
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def live(self) -> bool:
+        return self.state in (MemberState.ALIVE, MemberState.IDLE)
+
+
+class Membership:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float]):
+        if not lease_seconds > 0:
+            raise InvalidArgument(f"lease must be > 0 seconds, got {lease_seconds}")
+        self.lease_seconds = lease_seconds
+        self._clock = clock
+        self._members: dict[str, Member] = {}
+        self._ids = {Role.WORKER: itertools.count(), Role.PS: itertools.count()}
+
+    def join(self, role: Role, address: str = "", host: str = "", member_id: str = "") -> Member:
+        now = self._clock()
+        old = self._members.get(member_id) if member_id else None
+        if old is not None and old.live and old.role is role:
+            old.lease_until = now + self.lease_seconds
+            return old
+        if not member_id or old is not None and old.role is not role:
+            member_id = f"{role.value}-{next(self._ids[role])}"
+            while member_id in self._members:
+                member_id = f"{role.value}-{next(self._ids[role])}"
+        m = Member(member_id, role, address, host, now, now + self.lease_seconds,
+                   state=MemberState.IDLE if role is Role.WORKER else MemberState.ALIVE,
+                   counters=old.counters if old is not None else Counters())
+        self._members[member_id] = m
+        log.info("member %s joined (%s%s)", member_id, role.value, f" at {address}" if address else "")
+        return m
+
+    def heartbeat(self, member_id: str, counters: Counters | None = None) -> bool:
+        """Renews the lease; False if the member is unknown or no longer alive."""
+        m = self._members.get(member_id)
+        if m is None or not m.live:
+            return False
+        m.lease_until = self._clock() + self.lease_seconds
+        if counters is not None:
+            m.counters = counters
+        return True
+
+    def leave(self, member_id: str, counters: Counters | None = None) -> Member:
+        m = self._members.get(member_id)
+        if m is None:
+            raise NotFound(f"unknown member {member_id!r}")
+        if counters is not None:
+            m.counters = counters
+        if m.live:
+            m.state = MemberState.LEFT
+            log.info("member %s left", member_id)
+        return m
+
+    def expire(self) -> list[Member]:
+        """Marks every member whose lease has passed as EXPIRED and returns them."""
+        now = self._clock()
+        gone = [m for m in self._members.values() if m.live and m.lease_until < now]
+        for m in gone:
+            m.state = MemberState.EXPIRED
+            log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
+        return gone
+
+    def get(self, member_id: str) -> Member:
+        m = self._members.get(member_id)
+        if m is None:
+            raise NotFound(f"unknown member {member_id!r}")
+        return m
+
+    def set_busy(self, member_id: str, busy: bool) -> bool:
+        """ALIVE <-> IDLE for a live worker; True if the state changed."""
+        m = self.get(member_id)
+        new = MemberState.ALIVE if busy else MemberState.IDLE
+        if not m.live or m.state is new:
+            return False
+        m.state = new
+        log.debug("member %s is %s", member_id, new.value)
+        return True
+
+    def alive(self, role: Role | None = None) -> list[Member]:
+        """Members holding a lease (ALIVE or IDLE)."""
+        return [m for m in self._members.values() if m.live and (role is None or m.role is role)]
+
+    def all(self, role: Role | None = None) -> Iterable[Member]:
+        return [m for m in self._members.values() if role is None or m.role is role]

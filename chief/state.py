@@ -1,0 +1,137 @@
+"""The chief's whole state behind one entry point per event.
+
+Pure: no sockets, no threads, an injected clock. The servicer holds the lock
+and calls exactly one method per RPC; every method that changes what the
+cluster view shows bumps ``epoch``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from shoal.chief.membership import Counters, Member, Membership, Role
+from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
+from shoal.config import JobConfig
+from shoal.errors import FailedPrecondition, NotFound
+from shoal.layout import ModelLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    shard: int
+    member_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class View:
+    epoch: int
+    members: tuple[Member, ...]
+    routes: tuple[Route, ...]
+    ready: bool
+    job: JobConfig
+    fingerprint: str
+
+
+class ChiefState:
+    def __init__(self, job: JobConfig, clock: Callable[[], float]):
+        self.job = job
+        self.epoch = 0
+        self.members = Membership(job.lease_seconds, clock)
+        self.tasks = TaskQueue()
+        self.layout: ModelLayout | None = None
+        self.routing: dict[int, str] = {}
+        self.metrics: dict[str, float] = {}
+
+    def _changed(self, why: str) -> None:
+        self.epoch += 1
+        log.debug("view epoch %d: %s", self.epoch, why)
+
+    # ------------------------------------------------------------ membership
+
+    def join_worker(self, layout: ModelLayout, host: str = "", member_id: str = "") -> Member:
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise FailedPrecondition("model layout differs from the job's: " + "; ".join(self.layout.diff(layout)))
+        m = self.members.join(Role.WORKER, host=host, member_id=member_id)
+        self._changed(f"worker {m.member_id} joined")
+        return m
+
+    def join_ps(self, address: str, host: str = "", member_id: str = "") -> tuple[Member, int]:
+        m = self.members.join(Role.PS, address=address, host=host, member_id=member_id)
+        shard = next((k for k, mid in self.routing.items() if mid == m.member_id), -1)
+        if shard < 0:
+            free = [k for k in range(self.job.num_shards) if k not in self.routing]
+            if free:
+                shard = free[0]
+                self.routing[shard] = m.member_id
+                log.info("shard %d -> %s at %s", shard, m.member_id, address)
+        self._changed(f"ps {m.member_id} joined (shard {shard})")
+        return m, shard
+
+    def heartbeat(self, member_id: str, counters: Counters | None = None) -> bool:
+        return self.members.heartbeat(member_id, counters)
+
+    def leave(self, member_id: str, counters: Counters | None = None) -> None:
+        m = self.members.leave(member_id, counters)
+        self._drop(m)
+        self._changed(f"{member_id} left")
+
+    def tick(self) -> list[Member]:
+        """Expires lapsed leases: re-queues their tasks and frees their shards."""
+        gone = self.members.expire()
+        for m in gone:
+            self._drop(m)
+        if gone:
+            self._changed("expired " + ", ".join(m.member_id for m in gone))
+        return gone
+
+    def _drop(self, m: Member) -> None:
+        if m.role is Role.WORKER:
+            self.tasks.release(m.member_id)
+        else:
+            for k in [k for k, mid in self.routing.items() if mid == m.member_id]:
+                del self.routing[k]
+                log.warning("shard %d lost its primary %s", k, m.member_id)
+
+    # ------------------------------------------------------------ data tasks
+
+    def take_tasks(self, member_id: str, spec: DatasetSpec | None, max_tasks: int,
+                   done: tuple[int, ...] = ()) -> tuple[list[Task], bool]:
+        m = self.members.get(member_id)
+        if not m.live:
+            raise NotFound(f"member {member_id} is {m.state.value}; join again")
+        if spec is not None:
+            self.tasks.configure(spec)
+        for tid in done:
+            self.tasks.complete(member_id, tid)
+        got = self.tasks.take(member_id, max_tasks) if max_tasks > 0 else []
+        if max_tasks > 0 and self.members.set_busy(member_id, bool(got) or bool(self.tasks.held_by(member_id))):
+            self._changed(f"worker {member_id} is {m.state.value}")
+        return got, self.tasks.finished
+
+    def report(self, member_id: str, values: Mapping[str, float]) -> None:
+        self.members.get(member_id)
+        self.metrics.update({k: float(v) for k, v in values.items()})
+
+    # ------------------------------------------------------------ reads
+
+    def view(self) -> View:
+        alive = tuple(self.members.alive())
+        by_id = {m.member_id: m for m in alive}
+        routes = tuple(Route(k, mid, by_id[mid].address) for k, mid in sorted(self.routing.items()) if mid in by_id)
+        return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
+                    self.layout.fingerprint if self.layout else "")
+
+    def totals(self) -> Counters:
+        out = Counters()
+        for m in self.members.all(Role.WORKER):
+            out.steps += m.counters.steps
+            out.samples += m.counters.samples
+            out.bytes_pushed += m.counters.bytes_pushed
+            out.bytes_pulled += m.counters.bytes_pulled
+        return out

@@ -1,0 +1,378 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    WORKER: _ClassVar[Role]
+    PS: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+WORKER: Role
+PS: Role
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ModelLayout(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class JobConfig(_message.Message):
+    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    backup_workers: int
+    staleness: int
+    num_shards: int
+    lease_seconds: float
+    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class Counters(_message.Message):
+    __slots__ = ("steps", "samples", "bytes_pushed", "bytes_pulled")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    samples: int
+    bytes_pushed: int
+    bytes_pulled: int
+    def __init__(self, steps: _Optional[int] = ..., samples: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("role", "address", "layout", "host", "member_id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    address: str
+    layout: ModelLayout
+    host: str
+    member_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class MemberInfo(_message.Message):
+    __slots__ = ("member_id", "role", "address", "host", "state", "counters")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    role: Role
+    address: str
+    host: str
+    state: str
+    counters: Counters
+    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
+
+class ShardRoute(_message.Message):
+    __slots__ = ("shard", "primary_id", "primary_address")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    primary_id: str
+    primary_address: str
+    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ...) -> None: ...
+
+class ClusterView(_message.Message):
+    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardRoute]
+    ready: bool
+    job: JobConfig
+    layout_fingerprint: str
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("member_id", "lease_seconds", "view", "shard")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    lease_seconds: float
+    view: ClusterView
+    shard: int
+    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("member_id", "counters")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    counters: Counters
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("epoch", "known")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    known: bool
+    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("member_id", "counters")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    counters: Counters
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
+
+class ViewRequest(_message.Message):
+    __slots__ = ("after_epoch", "timeout_seconds")
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    after_epoch: int
+    timeout_seconds: float
+    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DatasetSpec(_message.Message):
+    __slots__ = ("size", "batch_size", "epochs", "batches_per_task", "seed")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_TASK_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    batch_size: int
+    epochs: int
+    batches_per_task: int
+    seed: int
+    def __init__(self, size: _Optional[int] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_task: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("task_id", "epoch", "start", "stop")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    epoch: int
+    start: int
+    stop: int
+    def __init__(self, task_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class TaskRequest(_message.Message):
+    __slots__ = ("member_id", "dataset", "max_tasks", "done_task_ids")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    DONE_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    dataset: DatasetSpec
+    max_tasks: int
+    done_task_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, member_id: _Optional[str] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., max_tasks: _Optional[int] = ..., done_task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TaskReply(_message.Message):
+    __slots__ = ("tasks", "finished", "epoch")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[Task]
+    finished: bool
+    epoch: int
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., finished: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class MetricsReport(_message.Message):
+    __slots__ = ("member_id", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class JobStats(_message.Message):
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    totals: Counters
+    metrics: _containers.ScalarMap[str, float]
+    workers_seen: int
+    workers_live: int
+    tasks_done: int
+    tasks_total: int
+    job: JobConfig
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+
+class OptimizerConfig(_message.Message):
+    __slots__ = ("name", "hparams")
+    class HparamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hparams: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class InitHeader(_message.Message):
+    __slots__ = ("layout_fingerprint", "shard", "numel", "optimizer", "offset")
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    layout_fingerprint: str
+    shard: int
+    numel: int
+    optimizer: OptimizerConfig
+    offset: int
+    def __init__(self, layout_fingerprint: _Optional[str] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class InitReply(_message.Message):
+    __slots__ = ("created", "version")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    version: int
+    def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VIEW_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shard: int
+    layout_fingerprint: str
+    version: int
+    codec: str
+    offset: int
+    numel: int
+    key: str
+    view_epoch: int
+    samples: int
+    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("accepted", "version", "reason", "duplicate")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    version: int
+    reason: str
+    duplicate: bool
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("shard", "min_version", "timeout_seconds", "codec", "layout_fingerprint")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    min_version: int
+    timeout_seconds: float
+    codec: str
+    layout_fingerprint: str
+    def __init__(self, shard: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., codec: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("shard", "version", "offset", "numel", "codec", "shard_numel")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    version: int
+    offset: int
+    numel: int
+    codec: str
+    shard_numel: int
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., shard_numel: _Optional[int] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_PENDING_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    initialized: bool
+    version: int
+    numel: int
+    mode: str
+    pushes_applied: int
+    pushes_dropped: int
+    bytes_in: int
+    bytes_out: int
+    round_pending: int
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Parameter-server role: shards of the flat model with server-side optimizers."""

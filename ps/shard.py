@@ -1,0 +1,154 @@
+"""One parameter shard: a flat fp32 slice, its optimizer, version and open round.
+
+Thread-safe pure state (no sockets): the servicer decodes frames and calls
+:meth:`Shard.push` / :meth:`Shard.snapshot`; tests drive it directly.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from shoal.ps.consistency import Action, Rule
+from shoal.ps.optim import build_optimizer
+from shoal.config import OptimizerSpec
+from shoal.errors import DeadlineExceeded, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+KEY_MEMORY = 1 << 16  # idempotency keys remembered per shard
+
+
+@dataclass(frozen=True)
+class PushResult:
+    accepted: bool
+    version: int
+    reason: str = ""
+    duplicate: bool = False
+
+
+@dataclass
+class ShardStats:
+    pushes_applied: int = 0
+    pushes_dropped: int = 0
+    updates: int = 0
+
+
+class Shard:
+    def __init__(self, shard_id: int, values: torch.Tensor, optimizer: OptimizerSpec, rule: Rule,
+                 fingerprint: str, clock: Callable[[], float] = time.monotonic):
+        if values.dim() != 1 or values.dtype != torch.float32:
+            raise InvalidArgument("shard values must be a 1-D float32 tensor")
+        self.shard_id = shard_id
+        self.fingerprint = fingerprint
+        self.optimizer_spec = optimizer
+        self.rule = rule
+        self._clock = clock
+        self._param = torch.nn.Parameter(values.detach().clone(), requires_grad=False)
+        self._opt = build_optimizer(self._param, optimizer)
+        self._cond = threading.Condition()
+        self.version = 0
+        self._round_sum: torch.Tensor | None = None
+        self._round_workers: set[str] = set()
+        self._round_keys: list[str] = []
+        self._live: frozenset[str] = frozenset()
+        self._keys: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._snapshots: dict[str, tuple[int, bytes]] = {}
+        self.stats = ShardStats()
+
+    @property
+    def numel(self) -> int:
+        return self._param.numel()
+
+    @property
+    def round_pending(self) -> int:
+        return len(self._round_workers)
+
+    # ------------------------------------------------------------ updates
+
+    def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "") -> PushResult:
+        """Offers one worker's gradient for this shard; applies it when the rule says so."""
+        if grad.shape != (self.numel,):
+            raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
+        with self._cond:
+            if key and key in self._keys:
+                return PushResult(True, self.version, "duplicate key", duplicate=True)
+            verdict = self.rule.admit(version, self.version, worker, self._round_workers)
+            if verdict.action is Action.DROP:
+                self.stats.pushes_dropped += 1
+                log.debug("shard %d drops push of %s: %s", self.shard_id, worker, verdict.reason)
+                return PushResult(False, self.version, verdict.reason)
+            if self._round_sum is None:
+                self._round_sum = grad.to(torch.float32, copy=True)
+            else:
+                self._round_sum.add_(grad)
+            self._round_workers.add(worker)
+            if key:
+                self._round_keys.append(key)
+            self.stats.pushes_applied += 1
+            self._maybe_close_round()
+            return PushResult(True, self.version)
+
+    def set_live_workers(self, workers: Iterable[str]) -> None:
+        """Membership changed: the open round may now be complete."""
+        with self._cond:
+            self._live = frozenset(workers)
+            self._maybe_close_round()
+
+    def _maybe_close_round(self) -> None:
+        if not self.rule.round_complete(self._round_workers, self._live):
+            return
+        n = len(self._round_workers)
+        assert self._round_sum is not None
+        self._param.grad = self._round_sum.div_(n) if n > 1 else self._round_sum
+        self._opt.step()
+        self._param.grad = None
+        self.version += 1
+        self.stats.updates += 1
+        for k in self._round_keys:
+            self._keys[k] = self.version
+        while len(self._keys) > KEY_MEMORY:
+            self._keys.popitem(last=False)
+        self._round_sum, self._round_workers, self._round_keys = None, set(), []
+        self._snapshots.clear()
+        log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------ reads
+
+    def wait_version(self, min_version: int, timeout_s: float) -> int:
+        """Blocks until ``version >= min_version``; DeadlineExceeded after ``timeout_s``."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.version >= min_version, timeout=timeout_s)
+            if not ok:
+                raise DeadlineExceeded(f"shard {self.shard_id} still at version {self.version} "
+                                       f"after {timeout_s:.1f}s (waiting for {min_version})")
+            return self.version
+
+    def snapshot(self, codec: str = "none") -> tuple[int, bytes]:
+        """The current weights as bytes in ``codec`` (none|fp16|bf16), cached per version."""
+        with self._cond:
+            cached = self._snapshots.get(codec)
+            if cached is not None and cached[0] == self.version:
+                return cached
+            data = self._param.detach()
+            if codec == "none":
+                raw = data.numpy().tobytes()
+            elif codec == "fp16":
+                raw = data.to(torch.float16).numpy().tobytes()
+            elif codec == "bf16":
+                raw = data.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+            else:
+                raise InvalidArgument(f"unknown pull codec {codec!r}; known: bf16, fp16, none")
+            self._snapshots[codec] = (self.version, raw)
+            return self.version, raw
+
+    def values(self) -> torch.Tensor:
+        """A copy of the current weights."""
+        with self._cond:
+            return self._param.detach().clone()

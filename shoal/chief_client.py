@@ -1,0 +1,149 @@
+"""A member's side of the chief protocol: join with backoff, heartbeats, view watch.
+
+Used by parameter servers and workers alike. Nothing here sits on the training
+hot path: heartbeats and the view watch run in background threads, and a chief
+outage only shows up as retry lines in the log.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from shoal.chief.membership import Counters
+from shoal import convert
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.rpc import RETRYABLE, open_channel, with_retries
+
+log = logging.getLogger(__name__)
+
+
+class ChiefClient:
+    def __init__(self, address: str, role: int, *, host: str = "", address_advertised: str = "",
+                 layout: pb.ModelLayout | None = None, counters: Callable[[], Counters] | None = None,
+                 join_deadline_s: float | None = 120.0):
+        self.chief_address = address
+        self.role = role
+        self.host = host
+        self.advertised = address_advertised
+        self.layout = layout
+        self._counters = counters or Counters
+        self._join_deadline_s = join_deadline_s
+        self.channel = open_channel(address)
+        self.stub = pb_grpc.ChiefStub(self.channel)
+        self.member_id = ""
+        self.shard = -1
+        self.lease_seconds = 3.0
+        self._view: pb.ClusterView | None = None
+        self._view_cond = threading.Condition()
+        self._listeners: list[Callable[[pb.ClusterView], None]] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    def join(self) -> pb.JoinReply:
+        req = pb.JoinRequest(role=self.role, address=self.advertised, host=self.host, member_id=self.member_id)
+        if self.layout is not None:
+            req.layout.CopyFrom(self.layout)
+        reply = with_retries(lambda: self.stub.Join(req, timeout=10), f"join chief at {self.chief_address}",
+                             deadline_s=self._join_deadline_s)
+        self.member_id, self.shard, self.lease_seconds = reply.member_id, reply.shard, reply.lease_seconds
+        self._set_view(reply.view)
+        log.info("joined chief %s as %s (view epoch %d)", self.chief_address, self.member_id, reply.view.epoch)
+        return reply
+
+    def start_background(self) -> None:
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "view-watch")):
+            t = threading.Thread(target=target, name=f"{name}-{self.member_id}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def on_view(self, listener: Callable[[pb.ClusterView], None]) -> None:
+        self._listeners.append(listener)
+        if self._view is not None:
+            listener(self._view)
+
+    def leave(self) -> None:
+        self._stop.set()
+        if self.member_id:
+            try:
+                self.stub.Leave(pb.LeaveRequest(member_id=self.member_id,
+                                                counters=convert.counters_to_pb(self._counters())), timeout=5)
+            except grpc.RpcError as exc:
+                log.warning("leave: chief unreachable (%s); the lease will expire instead", exc.code().name)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2)
+        self.channel.close()
+
+    # ------------------------------------------------------------ view
+
+    @property
+    def view(self) -> pb.ClusterView | None:
+        return self._view
+
+    def _set_view(self, view: pb.ClusterView) -> None:
+        with self._view_cond:
+            if self._view is not None and view.epoch <= self._view.epoch:
+                return
+            self._view = view
+            self._view_cond.notify_all()
+        for listener in self._listeners:
+            try:
+                listener(view)
+            except Exception:  # noqa: BLE001 - a bad listener must not kill the watch
+                log.exception("view listener failed")
+
+    def wait_view(self, predicate: Callable[[pb.ClusterView], bool], timeout_s: float) -> pb.ClusterView:
+        with self._view_cond:
+            if not self._view_cond.wait_for(lambda: self._view is not None and predicate(self._view), timeout_s):
+                raise TimeoutError(f"cluster view did not become ready in {timeout_s:.0f}s "
+                                   f"(epoch {self._view.epoch if self._view else None})")
+            return self._view
+
+    def refresh_view(self) -> pb.ClusterView:
+        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=10)
+        self._set_view(view)
+        return view
+
+    # ------------------------------------------------------------ loops
+
+    def _heartbeat_loop(self) -> None:
+        period = max(0.05, self.lease_seconds / 4)
+        failures = 0
+        while not self._stop.wait(period):
+            try:
+                reply = self.stub.Heartbeat(pb.HeartbeatRequest(
+                    member_id=self.member_id, counters=convert.counters_to_pb(self._counters())),
+                    timeout=max(1.0, self.lease_seconds / 2))
+                if failures:
+                    log.info("chief reachable again after %d failed heartbeat(s)", failures)
+                failures = 0
+                if not reply.known:
+                    log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
+                    self.join()
+            except grpc.RpcError as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 50 == 0:
+                    log.warning("heartbeat to chief %s failed (%s), attempt %d", self.chief_address,
+                                exc.code().name, failures)
+
+    def _watch_loop(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            after = self._view.epoch if self._view is not None else -1
+            try:
+                view = self.stub.GetView(pb.ViewRequest(after_epoch=after, timeout_seconds=5.0), timeout=10)
+                self._set_view(view)
+                backoff = 0.1
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE and exc.code() != grpc.StatusCode.CANCELLED:
+                    log.warning("view watch: %s", exc.code().name)
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)

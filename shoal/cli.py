@@ -1,0 +1,156 @@
+"""The ``shoal`` command: one sub-command per role, plus ``local`` for a whole cluster."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from shoal.config import MODES, JobConfig, from_sources, load_yaml
+from shoal.errors import InvalidArgument, ShoalError
+
+log = logging.getLogger("shoal")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default=None, help="sync (default), async or ssp")
+    p.add_argument("--backup-workers", type=int, default=None, help="sync: close a round without the b slowest")
+    p.add_argument("--staleness", type=int, default=None, help="ssp: how many versions a worker may run ahead")
+    p.add_argument("--lease-seconds", type=float, default=None, help="drop a member after this long without heartbeat")
+
+
+def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
+    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards"}
+    return from_sources(JobConfig, yaml_values={k: v for k, v in yaml_values.items() if k in job_keys},
+                        cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
+                             "lease_seconds": args.lease_seconds, "num_shards": num_shards})
+
+
+def _serve_until_signalled(server) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping")
+    server.stop()
+
+
+def _write_port(path: str | None, port: int) -> None:
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(path)
+
+
+def cmd_chief(args: argparse.Namespace) -> int:
+    from shoal.chief.server import ChiefServer
+
+    job = _job_from(args, args.num_shards)
+    server = ChiefServer(job, bind=args.bind).start()
+    _write_port(args.port_file, server.port)
+    _serve_until_signalled(server)
+    return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from shoal.ps.server import PSServer
+
+    server = PSServer(args.chief, bind=args.bind, advertise=args.advertise).start()
+    _write_port(args.port_file, server.port)
+    _serve_until_signalled(server)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    os.environ["SHOAL_CHIEF"] = args.chief
+    if args.compression:
+        os.environ["SHOAL_COMPRESSION"] = args.compression
+    if args.pull_codec:
+        os.environ["SHOAL_PULL_CODEC"] = args.pull_codec
+    script = Path(args.script)
+    if not script.is_file():
+        raise ShoalError(f"training script {args.script!r} does not exist")
+    sys.argv = [str(script), *args.script_args]
+    sys.path.insert(0, str(script.resolve().parent))
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from shoal.local import LocalConfig, run_local
+
+    for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+    job = _job_from(args, args.ps)
+    cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
+                      num_workers=args.workers, job=job, compression=args.compression or "none",
+                      pull_codec=args.pull_codec or "none", summary=args.summary or "", run_dir=args.run_dir or "")
+    return run_local(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="Elastic parameter servers for PyTorch.")
+    parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("chief", help="run the chief (membership, data tasks, routing)")
+    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:7070"))
+    p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
+                   help="how many parameter shards (one per ps process)")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.add_argument("--config", help="YAML file with job settings (mode, staleness, ...)")
+    _job_args(p)
+    p.set_defaults(func=cmd_chief)
+
+    p = sub.add_parser("ps", help="run one parameter server")
+    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
+    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:0"))
+    p.add_argument("--advertise", default=os.environ.get("SHOAL_ADVERTISE", ""),
+                   help="host name workers use to reach this server (default: bind host or hostname)")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.set_defaults(func=cmd_ps)
+
+    for name, helptext in (("worker", "run a training script as a worker"),
+                           ("local", "run chief, parameter servers and workers on this host")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "worker":
+            p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"),
+                           required="SHOAL_CHIEF" not in os.environ)
+        else:
+            p.add_argument("--ps", type=int, default=2, help="parameter servers (= shards)")
+            p.add_argument("--workers", type=int, default=2)
+            p.add_argument("--summary", help="write a JSON run summary here when training ends")
+            p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
+            p.add_argument("--config", help="YAML file with job settings")
+            _job_args(p)
+        p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
+        p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))
+        p.add_argument("script")
+        p.add_argument("script_args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except ShoalError as exc:
+        print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Settings: frozen dataclasses validated on construction.
+
+The CLI (argparse), the YAML file (``--config``) and ``SHOAL_*`` environment
+variables all map onto these classes; nothing else passes settings around.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from shoal.errors import InvalidArgument
+
+MODES = ("sync", "async", "ssp")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """How the job trains; owned by the chief and published in the cluster view."""
+
+    mode: str = "sync"
+    backup_workers: int = 0
+    staleness: int = 0
+    num_shards: int = 1
+    lease_seconds: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgument(f"--mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.backup_workers < 0:
+            raise InvalidArgument(f"--backup-workers must be >= 0, got {self.backup_workers}")
+        if self.backup_workers and self.mode != "sync":
+            raise InvalidArgument(f"--backup-workers {self.backup_workers} needs --mode sync, not {self.mode!r}")
+        if self.staleness < 0:
+            raise InvalidArgument(f"--staleness must be >= 0, got {self.staleness}")
+        if self.num_shards < 1:
+            raise InvalidArgument(f"--num-shards must be >= 1, got {self.num_shards}")
+        if not self.lease_seconds > 0:
+            raise InvalidArgument(f"--lease-seconds must be > 0, got {self.lease_seconds}")
+
+
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0, "dampening": 0.0, "nesterov": 0.0},
+    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A server-side optimizer by name with its hyper-parameters."""
+
+    name: str = "sgd"
+    hparams: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_DEFAULTS:
+            raise InvalidArgument(f"unknown optimizer {self.name!r}; known: {', '.join(sorted(OPTIMIZER_DEFAULTS))}")
+        known = OPTIMIZER_DEFAULTS[self.name]
+        bad = sorted(set(self.hparams) - set(known))
+        if bad:
+            raise InvalidArgument(f"optimizer {self.name!r} has no hyper-parameter {', '.join(bad)}; "
+                                  f"known: {', '.join(sorted(known))}")
+        merged = {**known, **{k: float(v) for k, v in self.hparams.items()}}
+        if not merged["lr"] > 0:
+            raise InvalidArgument(f"learning rate must be > 0, got {merged['lr']}")
+        object.__setattr__(self, "hparams", merged)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML config: a mapping of setting names (dashes or underscores)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidArgument(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"config {path} must be a mapping, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def from_sources(cls: type, *, cli: Mapping[str, Any] | None = None,
+                 yaml_values: Mapping[str, Any] | None = None, env_prefix: str = "SHOAL_"):
+    """Builds ``cls`` from YAML < environment < explicit CLI values (later wins)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, val in (yaml_values or {}).items():
+        if key not in fields:
+            raise InvalidArgument(f"unknown setting {key!r} in config; known: {', '.join(fields)}")
+        values[key] = val
+    for name, f in fields.items():
+        env = os.environ.get(env_prefix + name.upper())
+        if env is not None:
+            values[name] = _coerce(name, env, f.type)
+    for key, val in (cli or {}).items():
+        if val is not None and key in fields:
+            values[key] = val
+    return cls(**values)
+
+
+def _coerce(name: str, raw: str, typ: Any) -> Any:
+    kind = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            return raw.lower() in ("1", "true", "yes", "on")
+    except ValueError as exc:
+        raise InvalidArgument(f"SHOAL_{name.upper()}={raw!r} is not a valid {kind}") from exc
+    return raw

@@ -1,0 +1,44 @@
+"""The exception hierarchy shared by every role.
+
+Core code raises these; only the servicer boundary (:func:`shoal.rpc.grpc_errors`)
+turns them into gRPC status codes, and clients branch on ``RpcError.code()``.
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class ShoalError(Exception):
+    """Base of all shoal errors. ``code`` is the gRPC status it maps to."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(ShoalError, ValueError):
+    """A request or setting is malformed (bad size, dtype, layout, flag value)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(ShoalError):
+    """The request is well formed but the state does not allow it (layout differs, not initialised)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(ShoalError):
+    """An unknown member, shard or task."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unavailable(ShoalError):
+    """Retryable: the peer is not ready yet or is shutting down."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ShoalError):
+    """A wait (for a version, a view) ran out of time; retryable."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

@@ -1,0 +1,228 @@
+"""``shoal local``: a whole cluster as separate processes on this host.
+
+Starts the chief, the parameter servers and the workers, streams their logs
+with role prefixes, writes a run summary, and stops every child on Ctrl-C or
+when the workers are done. Children die with the supervisor (PR_SET_PDEATHSIG),
+so a killed supervisor leaves no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from shoal.config import JobConfig
+from shoal.errors import InvalidArgument
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.rpc import open_channel
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    script: str
+    script_args: tuple[str, ...] = ()
+    num_ps: int = 2
+    num_workers: int = 2
+    job: JobConfig = field(default_factory=JobConfig)
+    compression: str = "none"
+    pull_codec: str = "none"
+    summary: str = ""
+    run_dir: str = ""
+    startup_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.num_ps < 1:
+            raise InvalidArgument(f"--ps must be >= 1, got {self.num_ps}")
+        if self.num_workers < 1:
+            raise InvalidArgument(f"--workers must be >= 1, got {self.num_workers}")
+        if not Path(self.script).is_file():
+            raise InvalidArgument(f"training script {self.script!r} does not exist")
+        if self.job.backup_workers >= self.num_workers and self.job.backup_workers:
+            raise InvalidArgument(f"--backup-workers {self.job.backup_workers} must be less than "
+                                  f"--workers {self.num_workers}")
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], out: IO[str]):
+        self.name = name
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self._pump = threading.Thread(target=self._stream, args=(out,), name=f"log-{name}", daemon=True)
+        self._pump.start()
+
+    def _stream(self, out: IO[str]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            out.write(f"[{self.name}] {line}")
+            out.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, grace_s)
+                self.proc.kill()
+                self.proc.wait()
+        self._pump.join(timeout=2)
+
+
+class LocalCluster:
+    def __init__(self, cfg: LocalConfig, out: IO[str] = sys.stdout):
+        self.cfg = cfg
+        self.out = out
+        self.children: dict[str, Child] = {}
+        self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="shoal-local-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.chief_address = ""
+
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        child = Child(name, [sys.executable, "-m", "shoal.cli", *args], env, self.out)
+        self.children[name] = child
+        self._write_pids()
+        return child
+
+    def _write_pids(self) -> None:
+        tmp = self.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps({n: c.pid for n, c in self.children.items()}))
+        tmp.replace(self.run_dir / "pids.json")
+
+    def _wait_port(self, path: Path, child: Child) -> int:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().strip():
+                return int(path.read_text())
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before serving")
+            time.sleep(0.05)
+        raise RuntimeError(f"{child.name} did not report its port within {self.cfg.startup_timeout_s:.0f}s")
+
+    def start(self) -> None:
+        job = self.cfg.job
+        port_file = self.run_dir / "chief.port"
+        chief = self._spawn("chief", ["chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+                                      "--mode", job.mode, "--num-shards", str(self.cfg.num_ps),
+                                      "--backup-workers", str(job.backup_workers),
+                                      "--staleness", str(job.staleness),
+                                      "--lease-seconds", str(job.lease_seconds)])
+        self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
+        (self.run_dir / "chief.address").write_text(self.chief_address)
+        for k in range(self.cfg.num_ps):
+            self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", "127.0.0.1:0"])
+        for k in range(self.cfg.num_workers):
+            self.start_worker(f"worker{k}")
+
+    def start_worker(self, name: str) -> Child:
+        return self._spawn(name, ["worker", "--chief", self.chief_address, "--compression", self.cfg.compression,
+                                  "--pull-codec", self.cfg.pull_codec, self.cfg.script, *self.cfg.script_args])
+
+    def workers(self) -> list[Child]:
+        return [c for n, c in self.children.items() if n.startswith("worker")]
+
+    def wait_workers(self) -> dict[str, int]:
+        while True:
+            workers = self.workers()
+            if all(c.proc.poll() is not None for c in workers):
+                return {c.name: c.proc.returncode for c in workers}
+            time.sleep(0.1)
+
+    def job_stats(self) -> pb.JobStats | None:
+        channel = open_channel(self.chief_address)
+        try:
+            return pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("could not read job stats from the chief: %s", exc.code().name)
+            return None
+        finally:
+            channel.close()
+
+    def stop(self) -> None:
+        order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
+        chief = [c for n, c in self.children.items() if n == "chief"]
+        for group in (order, chief):  # the chief last, so members can leave cleanly
+            for c in group:
+                c.terminate()
+            for c in group:
+                c.stop()
+
+
+def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
+    cluster = LocalCluster(cfg, out)
+    started = time.monotonic()
+    interrupted = threading.Event()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        codes = cluster.wait_workers()
+        seconds = time.monotonic() - started
+        stats = cluster.job_stats()
+    except KeyboardInterrupt:
+        log.info("interrupted: stopping the cluster")
+        cluster.stop()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    cluster.stop()
+    ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 for c in codes.values())
+    summary = build_summary(cfg, codes, seconds, stats)
+    if cfg.summary:
+        path = Path(cfg.summary)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(path)
+    log.info("training %s in %.1fs: %s", "finished" if ok else "FAILED", seconds,
+             json.dumps({k: summary[k] for k in ("steps", "test_accuracy") if k in summary}))
+    return 0 if ok else 1
+
+
+def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
+    summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
+                     "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes}
+    if stats is not None:
+        summary.update(steps=stats.totals.steps, samples=stats.totals.samples,
+                       bytes_pushed=stats.totals.bytes_pushed, bytes_pulled=stats.totals.bytes_pulled,
+                       tasks_done=stats.tasks_done, tasks_total=stats.tasks_total,
+                       workers_seen=stats.workers_seen)
+        summary.update({k: v for k, v in sorted(stats.metrics.items())})
+    return summary

@@ -1,0 +1,112 @@
+"""gRPC plumbing shared by every role: server factory, channels, error mapping, retries."""
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from concurrent import futures
+from typing import Callable, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shoal.errors import ShoalError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Tensors travel in frames far above gRPC's 4 MB default: lift the limits.
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = MESSAGE_OPTIONS + [
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+
+
+def create_server(address: str, max_workers: int = 64) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started-later server bound to ``address`` (port 0 picks a free one).
+
+    Returns the server, the bound port and its health servicer (status SERVING
+    is set by the caller once the role is ready).
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="grpc"),
+                         options=SERVER_OPTIONS)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, port, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, service: str, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set(service, status)
+    health_servicer.set("", status)
+
+
+def open_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def grpc_errors(method: Callable) -> Callable:
+    """Servicer decorator: the one place where shoal errors become status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except ShoalError as exc:
+            context.abort(exc.code, str(exc))
+        except Exception:  # noqa: BLE001 - the boundary: log and report, never crash the server
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed; see the server log")
+
+    return wrapper
+
+
+def with_retries(call: Callable[[], T], what: str, deadline_s: float | None = None,
+                 first_delay_s: float = 0.1, max_delay_s: float = 2.0,
+                 retry_on: frozenset = RETRYABLE, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Calls ``call`` until it succeeds, backing off (with jitter) on retryable codes.
+
+    Logs each retry so an unreachable peer is visible; re-raises after ``deadline_s``.
+    """
+    start = time.monotonic()
+    delay, attempt = first_delay_s, 0
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            attempt += 1
+            if code not in retry_on or (deadline_s is not None and time.monotonic() - start > deadline_s):
+                raise
+            level = logging.WARNING if attempt in (1, 5) or attempt % 20 == 0 else logging.DEBUG
+            log.log(level, "%s: %s (%s); retrying in %.1fs (attempt %d)", what,
+                    code.name if code else "error", _details(exc), delay, attempt)
+            sleep(delay * (0.5 + random.random()))
+            delay = min(max_delay_s, delay * 2)
+
+
+def _details(exc: grpc.RpcError) -> str:
+    try:
+        return exc.details() or ""
+    except Exception:  # noqa: BLE001
+        return ""

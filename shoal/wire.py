@@ -1,0 +1,77 @@
+"""The raw-framed data plane: method names, chunking and payload decoding.
+
+Both sides use this module, so the server's decoder and the client's encoder
+cannot drift apart. Frames themselves are built by :mod:`shoal.frames`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+import torch
+from google.protobuf.message import Message
+
+from shoal import frames
+from shoal.errors import InvalidArgument
+
+DATA_SERVICE = "shoal.ParameterServerData"
+INIT = f"/{DATA_SERVICE}/Init"
+PUSH = f"/{DATA_SERVICE}/Push"
+PULL = f"/{DATA_SERVICE}/Pull"
+
+# Pull payload encodings (weights, not gradients: no error feedback needed).
+PULL_ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2}
+
+
+def decode_chunk(tag: str, payload: memoryview, numel: int) -> torch.Tensor:
+    """Decodes one pushed gradient chunk into a 1-D fp32 tensor of ``numel`` elements."""
+    if tag in ("", "none"):
+        return frames.fp32_from(payload, numel)
+    from shoal import codecs  # imported lazily: the registry pulls in lz4
+
+    try:
+        return codecs.decode_tagged(tag, payload, numel)
+    except codecs.CodecError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def decode_weights(tag: str, payload: memoryview, numel: int, out: torch.Tensor) -> None:
+    """Writes pulled weights (``none``/``fp16``/``bf16``) into the fp32 tensor ``out``."""
+    size = PULL_ITEMSIZE.get(tag)
+    if size is None:
+        raise InvalidArgument(f"unknown pull codec {tag!r}; known: {', '.join(sorted(PULL_ITEMSIZE))}")
+    if len(payload) != numel * size or out.numel() != numel:
+        raise InvalidArgument(f"pull payload of {len(payload)} bytes does not hold {numel} {tag} values")
+    if tag == "none":
+        out.copy_(frames.fp32_from(payload, numel))
+    elif tag == "fp16":
+        out.copy_(torch.from_numpy(np.frombuffer(payload, dtype=np.float16, count=numel)))
+    else:
+        raw = torch.from_numpy(np.frombuffer(payload, dtype=np.int16, count=numel))
+        out.copy_(raw.view(torch.bfloat16))
+
+
+def iter_chunks(raw: bytes, tag: str, chunk_bytes: int,
+                header: Callable[[int, int], Message]) -> Iterator[bytes]:
+    """Frames ``raw`` (fixed-size elements of ``tag``) in chunks of about ``chunk_bytes``.
+
+    ``header(offset, numel)`` builds each frame's header. An empty payload still
+    yields one frame so the receiver learns the version.
+    """
+    size = PULL_ITEMSIZE.get(tag, 4)
+    total = len(raw) // size
+    per = max(1, chunk_bytes // size)
+    view = memoryview(raw)
+    off = 0
+    while True:
+        n = min(per, total - off)
+        yield frames.pack(header(off, n), view[off * size:(off + n) * size])
+        off += n
+        if off >= total:
+            return
+
+
+def data_stubs(channel: grpc.Channel) -> tuple[Callable, Callable, Callable]:
+    """(init, push, pull) callables with identity serializers: bytes in, bytes out."""
+    return (channel.stream_unary(INIT), channel.stream_unary(PUSH), channel.unary_stream(PULL))

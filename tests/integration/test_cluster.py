@@ -1,0 +1,119 @@
+"""Trainers against an in-process chief and parameter servers on ephemeral ports."""
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.errors import InvalidArgument
+from shoal.proto import shoal_pb2 as pb
+from shoal.testing import run_threads, wait_until
+from shoal.worker import Trainer
+
+
+def mlp(seed=0, hidden=16):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
+
+
+def data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return x, y
+
+
+def train(trainer, model, x, y, epochs=3):
+    for xb, yb in trainer.batches((x, y), batch_size=16, epochs=epochs):
+        trainer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        trainer.step(samples=len(xb))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_workers_train_and_agree(cluster_factory, mode):
+    c = cluster_factory(2, mode=mode)
+    x, y = data()
+    models = [mlp(0), mlp(1)]                       # different random inits: the first Init wins
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
+    before = F.cross_entropy(models[0](x), y).item()
+    run_threads(*[lambda t=t, m=m: train(t, m, x, y) for t, m in zip(trainers, models)])
+    for t in trainers:
+        t.pull()
+    w0 = torch.cat([p.detach().flatten() for p in models[0].parameters()])
+    w1 = torch.cat([p.detach().flatten() for p in models[1].parameters()])
+    assert torch.equal(w0, w1)
+    assert F.cross_entropy(models[0](x), y).item() < before * 0.7
+    steps = sum(t.step_count for t in trainers)
+    assert steps == 3 * 256 // 16                   # every batch of every epoch trained once
+    versions = [s.host.get(k).version for k, s in enumerate(c.servers)]
+    if mode == "sync":
+        assert all(steps / 2 <= v <= steps for v in versions)
+    else:
+        assert versions == [steps, steps]
+    for t in trainers:
+        t.close()
+
+
+def test_sync_round_stops_waiting_for_a_dead_worker(cluster_factory):
+    c = cluster_factory(1, mode="sync", lease_seconds=0.6)
+    x, y = data(64)
+    a, b = mlp(0), mlp(0)
+    ta = Trainer(a, chief=c.chief_address, lr=0.1)
+    tb = Trainer(b, chief=c.chief_address, lr=0.1)
+    feed_a = iter(ta.batches((x, y), batch_size=8, epochs=5))
+    feed_b = iter(tb.batches((x, y), batch_size=8, epochs=5))
+    next(feed_a), next(feed_b)                       # both hold tasks: both are in the round
+    wait_until(lambda: c.servers[0].host.live_workers == {ta.member_id, tb.member_id}, what="both live")
+    tb.chief._stop.set()                             # b stops heartbeating (a crash, as seen by the chief)
+    ta.zero_grad()
+    a(x[:8]).sum().backward()
+    ta.step()                                        # blocks until b's lease expires, then the round closes
+    assert c.servers[0].host.get(0).version == 1
+    assert tb.member_id not in c.servers[0].host.live_workers
+    ta.close()
+
+
+def test_layout_mismatch_is_refused_with_the_difference(cluster_factory):
+    c = cluster_factory(1)
+    t = Trainer(mlp(hidden=16), chief=c.chief_address)
+    with pytest.raises(grpc.RpcError) as e:
+        Trainer(mlp(hidden=17), chief=c.chief_address)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "0.weight: expected [16, 8] float32, got [17, 8] float32" in e.value.details()
+    t.close()
+
+
+def test_counters_reach_the_chief(cluster_factory):
+    c = cluster_factory(2, mode="async")
+    m = mlp()
+    t = Trainer(m, chief=c.chief_address)
+    x, y = data(64)
+    train(t, m, x, y, epochs=1)
+    t.report(test_accuracy=0.5)
+    t.close()
+    totals = c.chief.state.totals()
+    assert totals.steps == 4 and totals.samples == 64
+    assert totals.bytes_pushed >= 4 * 4 * sum(p.numel() for p in m.parameters())
+    assert totals.bytes_pulled >= totals.bytes_pushed
+    assert c.chief.state.metrics == {"test_accuracy": 0.5}
+
+
+def test_missing_chief_address_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("SHOAL_CHIEF", raising=False)
+    with pytest.raises(InvalidArgument, match="SHOAL_CHIEF"):
+        Trainer(mlp())
+
+
+def test_role_retries_an_unreachable_chief_and_says_so(caplog):
+    from shoal.chief_client import ChiefClient
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                                        # nothing listens there now
+    client = ChiefClient(f"127.0.0.1:{port}", pb.WORKER, join_deadline_s=1.0)
+    with caplog.at_level("WARNING"), pytest.raises(grpc.RpcError) as e:
+        client.join()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert any("join chief" in r.message and "retrying" in r.message for r in caplog.records)
+    client.close()

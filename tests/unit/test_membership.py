@@ -1,0 +1,103 @@
+"""Membership, routing and task hand-out of the chief, driven by a fake clock."""
+import pytest
+
+from shoal.chief.membership import MemberState, Membership, Role
+from shoal.chief.state import ChiefState
+from shoal.chief.tasks import DatasetSpec
+from shoal.config import JobConfig
+from shoal.errors import FailedPrecondition
+from shoal.layout import ModelLayout, TensorSpec
+
+LAYOUT = ModelLayout([TensorSpec("w", (4, 3)), TensorSpec("b", (3,))])
+
+
+def test_lease_expires_without_heartbeat_and_renews_with_one(clock):
+    m = Membership(lease_seconds=3.0, clock=clock)
+    a = m.join(Role.WORKER)
+    b = m.join(Role.WORKER)
+    clock.advance(2.0)
+    assert m.heartbeat(a.member_id)
+    clock.advance(2.0)                       # b silent for 4 s > lease
+    gone = m.expire()
+    assert [x.member_id for x in gone] == [b.member_id]
+    assert b.state is MemberState.EXPIRED
+    assert not m.heartbeat(b.member_id)      # an expired member must join again
+    assert [x.member_id for x in m.alive()] == [a.member_id]
+    clock.advance(3.5)
+    assert [x.member_id for x in m.expire()] == [a.member_id]
+
+
+def test_rejoin_after_expiry_keeps_identity_and_counters(clock):
+    m = Membership(lease_seconds=1.0, clock=clock)
+    a = m.join(Role.WORKER)
+    a.counters.steps = 7
+    clock.advance(2)
+    m.expire()
+    again = m.join(Role.WORKER, member_id=a.member_id)
+    assert again.member_id == a.member_id and again.live and again.counters.steps == 7
+    assert m.join(Role.PS, member_id=a.member_id).member_id != a.member_id   # a role cannot take it
+
+
+def test_view_epoch_changes_with_membership_and_routing(clock):
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0), clock)
+    e0 = s.epoch
+    p0, shard0 = s.join_ps("h:1")
+    p1, shard1 = s.join_ps("h:2")
+    assert (shard0, shard1) == (0, 1)
+    assert s.view().ready and s.epoch > e0
+    w = s.join_worker(LAYOUT)
+    e1 = s.epoch
+    clock.advance(1.5)
+    s.heartbeat(p0.member_id), s.heartbeat(w.member_id)
+    clock.advance(1.0)
+    gone = s.tick()                          # ps-1 missed its lease
+    assert [m.member_id for m in gone] == [p1.member_id]
+    v = s.view()
+    assert s.epoch > e1 and not v.ready and [r.shard for r in v.routes] == [0]
+    p2, shard2 = s.join_ps("h:3")
+    assert shard2 == 1 and s.view().ready
+
+
+def test_worker_with_different_layout_is_refused_with_the_difference(clock):
+    s = ChiefState(JobConfig(), clock)
+    s.join_worker(LAYOUT)
+    other = ModelLayout([TensorSpec("w", (4, 3)), TensorSpec("b", (4,))])
+    with pytest.raises(FailedPrecondition, match=r"b: expected \[3\] float32, got \[4\] float32"):
+        s.join_worker(other)
+
+
+def test_workers_are_idle_until_they_hold_tasks(clock):
+    s = ChiefState(JobConfig(), clock)
+    w = s.join_worker(LAYOUT)
+    assert w.state is MemberState.IDLE
+    spec = DatasetSpec(size=10, batch_size=5, epochs=1, batches_per_task=1)
+    tasks, finished = s.take_tasks(w.member_id, spec, 2)
+    assert len(tasks) == 2 and not finished and w.state is MemberState.ALIVE
+    tasks2, finished = s.take_tasks(w.member_id, None, 1, done=tuple(t.task_id for t in tasks))
+    assert tasks2 == [] and finished and w.state is MemberState.IDLE
+
+
+def test_expired_worker_tasks_go_back_to_the_queue(clock):
+    s = ChiefState(JobConfig(lease_seconds=1.0), clock)
+    a, b = s.join_worker(LAYOUT), s.join_worker(LAYOUT)
+    spec = DatasetSpec(size=40, batch_size=5, epochs=1, batches_per_task=2)
+    held, _ = s.take_tasks(a.member_id, spec, 2)
+    clock.advance(0.8)
+    s.heartbeat(b.member_id)
+    clock.advance(0.5)
+    s.tick()
+    assert a.state is MemberState.EXPIRED
+    got, _ = s.take_tasks(b.member_id, spec, 4)
+    assert [t.task_id for t in got[:2]] == sorted(t.task_id for t in held)   # re-queued first
+    s.take_tasks(b.member_id, spec, 0, done=tuple(t.task_id for t in got))
+    assert s.tasks.finished
+
+
+def test_graceful_leave_returns_tasks_immediately(clock):
+    s = ChiefState(JobConfig(), clock)
+    a, b = s.join_worker(LAYOUT), s.join_worker(LAYOUT)
+    spec = DatasetSpec(size=20, batch_size=5, epochs=1, batches_per_task=1)
+    held, _ = s.take_tasks(a.member_id, spec, 3)
+    s.leave(a.member_id)
+    got, _ = s.take_tasks(b.member_id, spec, 4)
+    assert {t.task_id for t in got} == {0, 1, 2, 3} and set(t.task_id for t in held) <= {t.task_id for t in got}

@@ -1,0 +1,109 @@
+"""Consistency rules on a shard: sync rounds, stale drops, membership changes, idempotency."""
+import threading
+
+import pytest
+import torch
+
+from shoal.config import OptimizerSpec
+from shoal.errors import DeadlineExceeded, InvalidArgument
+from shoal.ps.consistency import AsyncRule, SyncRule
+from shoal.ps.shard import Shard
+
+SGD = OptimizerSpec("sgd", {"lr": 1.0})
+
+
+def shard(rule, n=4):
+    return Shard(0, torch.zeros(n), SGD, rule, "fp")
+
+
+def ones(v, n=4):
+    return torch.full((n,), float(v))
+
+
+def test_sync_round_averages_all_live_workers_then_advances():
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})
+    assert s.push("a", 0, ones(1)).accepted and s.version == 0
+    assert s.push("b", 0, ones(3)).accepted and s.version == 1
+    assert torch.equal(s.values(), ones(-2))             # w -= lr * mean(1, 3)
+
+
+def test_sync_drops_stale_and_repeated_pushes():
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})
+    s.push("a", 0, ones(1))
+    again = s.push("a", 0, ones(5))
+    assert not again.accepted and "already pushed" in again.reason
+    s.push("b", 0, ones(1))
+    late = s.push("a", 0, ones(9))
+    assert not late.accepted and late.reason.startswith("stale")
+    assert torch.equal(s.values(), ones(-1))
+    with pytest.raises(InvalidArgument, match="version 5"):
+        s.push("a", 5, ones(1))
+
+
+def test_sync_round_closes_when_a_missing_worker_leaves():
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b", "c"})
+    s.push("a", 0, ones(2))
+    s.push("b", 0, ones(4))
+    assert s.version == 0
+    s.set_live_workers({"a", "b"})                         # c died
+    assert s.version == 1 and torch.equal(s.values(), ones(-3))
+
+
+def test_backup_workers_close_the_round_without_the_slowest():
+    s = shard(SyncRule(backup_workers=1))
+    s.set_live_workers({"a", "b", "c"})
+    s.push("a", 0, ones(1))
+    assert s.version == 0
+    s.push("b", 0, ones(3))
+    assert s.version == 1
+    assert not s.push("c", 0, ones(100)).accepted           # the straggler's gradient is dropped
+    assert torch.equal(s.values(), ones(-2))
+
+
+def test_async_applies_each_push():
+    s = shard(AsyncRule())
+    s.push("a", 0, ones(1))
+    s.push("b", 0, ones(1))                                 # computed on an older version: still applied
+    assert s.version == 2 and torch.equal(s.values(), ones(-2))
+
+
+def test_a_key_is_applied_at_most_once():
+    s = shard(AsyncRule())
+    assert s.push("a", 0, ones(1), key="k1").accepted
+    dup = s.push("a", 0, ones(1), key="k1")
+    assert dup.duplicate and s.version == 1 and torch.equal(s.values(), ones(-1))
+
+
+def test_wrong_gradient_size_changes_nothing():
+    s = shard(AsyncRule())
+    with pytest.raises(InvalidArgument, match="has 4 elements"):
+        s.push("a", 0, torch.ones(5))
+    assert s.version == 0 and torch.equal(s.values(), torch.zeros(4))
+
+
+def test_pull_waits_for_the_round():
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})
+    s.push("a", 0, ones(1))
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.wait_version(1, 5.0)))
+    t.start()
+    s.push("b", 0, ones(1))
+    t.join(5)
+    assert got == [1]
+    with pytest.raises(DeadlineExceeded):
+        s.wait_version(2, 0.05)
+
+
+def test_snapshot_is_cached_per_version_and_codec():
+    s = shard(AsyncRule())
+    v, raw = s.snapshot("none")
+    assert (v, len(raw)) == (0, 16) and s.snapshot("none")[1] is raw
+    s.push("a", 0, ones(1))
+    assert s.snapshot("none")[1] is not raw
+    assert len(s.snapshot("bf16")[1]) == 8
+    with pytest.raises(InvalidArgument, match="unknown pull codec"):
+        s.snapshot("int3")

@@ -1,0 +1,121 @@
+"""Batches from the chief's data tasks, prefetched so training never waits on the chief.
+
+:class:`TaskFeed` keeps up to ``prefetch`` tasks in hand, reports finished ones
+with the next request, and ends when the chief says every task is done.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import grpc
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from shoal import convert
+from shoal.chief.tasks import DatasetSpec, Task
+from shoal.proto import shoal_pb2 as pb
+from shoal.rpc import with_retries
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class TaskFeed:
+    """Background fetcher of tasks; iterate it for :class:`Task` objects."""
+
+    def __init__(self, stub, member_id: Callable[[], str], spec: DatasetSpec, prefetch: int = 2,
+                 poll_s: float = 0.1):
+        self._stub = stub
+        self._member_id = member_id
+        self._spec = convert.dataset_to_pb(spec)
+        self._prefetch = max(1, prefetch)
+        self._poll_s = poll_s
+        self._ready: queue.Queue = queue.Queue()
+        self._done: list[int] = []
+        self._done_lock = threading.Lock()
+        self._space = threading.Semaphore(self._prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="task-feed", daemon=True)
+        self._thread.start()
+
+    def _request(self, max_tasks: int) -> pb.TaskReply:
+        with self._done_lock:
+            done, self._done = self._done, []
+        req = pb.TaskRequest(member_id=self._member_id(), dataset=self._spec, max_tasks=max_tasks,
+                             done_task_ids=done)
+        try:
+            return with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
+        except grpc.RpcError:
+            with self._done_lock:
+                self._done = done + self._done
+            raise
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._space.acquire()
+                if self._stop.is_set():
+                    return
+                reply = self._request(1)
+                if reply.tasks:
+                    for t in reply.tasks:
+                        self._ready.put(convert.task_from_pb(t))
+                    continue
+                self._space.release()
+                if reply.finished:
+                    self._ready.put(_END)
+                    return
+                self._stop.wait(self._poll_s)  # tasks are in flight elsewhere and may come back
+        except Exception as exc:  # noqa: BLE001 - hand the failure to the training thread
+            self._ready.put(exc)
+
+    def mark_done(self, task: Task) -> None:
+        with self._done_lock:
+            self._done.append(task.task_id)
+        self._space.release()
+
+    def flush(self) -> None:
+        """Reports finished tasks now (before leaving the job)."""
+        with self._done_lock:
+            pending = bool(self._done)
+        if pending:
+            self._request(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._space.release()
+        self._thread.join(timeout=5)
+
+    def __iter__(self) -> Iterator[Task]:
+        while True:
+            item = self._ready.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def batches_of(data: Any, task: Task, batch_size: int) -> Iterator[Any]:
+    """The batches of one task from a tuple of tensors or a map-style dataset."""
+    for start in range(task.start, task.stop, batch_size):
+        stop = min(task.stop, start + batch_size)
+        if isinstance(data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in data):
+            yield tuple(t[start:stop] for t in data)
+        elif isinstance(data, torch.Tensor):
+            yield data[start:stop]
+        else:
+            yield default_collate([data[i] for i in range(start, stop)])
+
+
+def dataset_size(data: Dataset | Sequence[torch.Tensor] | torch.Tensor) -> int:
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        sizes = {len(t) for t in data}
+        if len(sizes) != 1:
+            raise ValueError(f"tensors of a dataset tuple must have the same length, got {sorted(sizes)}")
+        return sizes.pop()
+    return len(data)  # type: ignore[arg-type]

@@ -1,0 +1,224 @@
+"""The object a training script holds: it replaces ``optimizer.step()`` with push + pull.
+
+The model's parameters and gradients are re-pointed into two flat fp32 buffers
+laid out as :class:`shoal.layout.ShardPlan` says, so a shard's slice is pushed
+and pulled without gathering tensors one by one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import grpc
+import torch
+
+from shoal import convert
+from shoal.chief.membership import Counters
+from shoal.chief.tasks import DatasetSpec
+from shoal.chief_client import ChiefClient
+from shoal.config import OptimizerSpec
+from shoal.errors import InvalidArgument
+from shoal.layout import ModelLayout, ShardPlan
+from shoal.proto import shoal_pb2 as pb
+from shoal.worker.data import TaskFeed, batches_of, dataset_size
+from shoal.worker.ps_client import ShardClient, is_uninitialised
+from shoal.worker.push import GradientEncoder
+
+log = logging.getLogger(__name__)
+
+RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Trainer:
+    """Joins the job, keeps the model's weights in step with the parameter servers.
+
+    ``chief`` defaults to ``$SHOAL_CHIEF``. ``optimizer`` and its hyper-parameters
+    (``lr``, ``momentum``, ...) configure the server-side optimizer; the first
+    worker to initialise a shard decides them. ``compression`` names a gradient
+    codec (``shoal.codecs``); ``pull_codec`` is ``none``, ``fp16`` or ``bf16``.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
+                 compression: str | None = None, pull_codec: str | None = None,
+                 ready_timeout_s: float = 120.0, **hparams: float):
+        self.model = model
+        self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
+        if not self.chief_address:
+            raise InvalidArgument("no chief address: pass chief=HOST:PORT or set SHOAL_CHIEF")
+        self.optimizer = OptimizerSpec(optimizer, hparams)
+        self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
+        self.pull_codec = pull_codec or os.environ.get("SHOAL_PULL_CODEC", "none")
+        self.layout = ModelLayout.from_module(model)
+        self.counters = Counters()
+        self._counter_lock = threading.Lock()
+        self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
+                                 layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters)
+        self.chief.join()
+        self.chief.start_background()
+        view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
+        self.mode = view.job.mode
+        self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
+        self._bind_flat_buffers()
+        self._clients = {r.shard: ShardClient(r.shard, r.primary_address, self.plan.shard_numel(r.shard),
+                                              self.layout.fingerprint) for r in view.shards}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
+        self.versions = {k: 0 for k in self._clients}
+        self.step_count = 0
+        self._feed: TaskFeed | None = None
+        self._initialise_or_pull()
+        log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
+                 self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
+
+    # ------------------------------------------------------------ setup
+
+    @property
+    def member_id(self) -> str:
+        return self.chief.member_id
+
+    def _bind_flat_buffers(self) -> None:
+        params = list(self.model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        self.flat_weights = self.layout.flatten([p.detach() for p in params])
+        self.flat_grads = torch.zeros_like(self.flat_weights)
+        for p, w, g in zip(params, self.layout.unflatten(self.flat_weights), self.layout.unflatten(self.flat_grads)):
+            p.data = w
+            p.grad = g
+        self._params = params
+        self._grad_views = self.layout.unflatten(self.flat_grads)
+        self.device = device
+
+    def _initialise_or_pull(self) -> None:
+        def one(shard: int) -> None:
+            client = self._clients[shard]
+            a, b = self.plan.ranges[shard]
+            try:
+                self._pull_shard(shard)
+                return
+            except grpc.RpcError as exc:
+                if not is_uninitialised(exc):
+                    raise
+            reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+            if reply.created:
+                log.info("initialised shard %d from this worker's weights", shard)
+            self._pull_shard(shard)
+
+        list(self._pool.map(one, self._clients))
+
+    # ------------------------------------------------------------ training
+
+    def zero_grad(self) -> None:
+        self.flat_grads.zero_()
+        for p, g in zip(self._params, self._grad_views):
+            if p.grad is None or p.grad.data_ptr() != g.data_ptr():
+                p.grad = g
+
+    def _gather_grads(self) -> None:
+        """Copies any gradient autograd did not accumulate in place into the flat buffer."""
+        for p, g in zip(self._params, self._grad_views):
+            if p.grad is None:
+                g.zero_()
+            elif p.grad.data_ptr() != g.data_ptr():
+                g.copy_(p.grad)
+                p.grad = g
+
+    def step(self, samples: int = 0) -> None:
+        """Pushes this step's gradients to every shard and pulls the new weights."""
+        t0 = time.perf_counter()
+        self._gather_grads()
+        key_base = f"{self.member_id}/{self.step_count}"
+        list(self._pool.map(lambda k: self._push_pull(k, key_base, samples), self._clients))
+        self.step_count += 1
+        with self._counter_lock:
+            self.counters.steps += 1
+            self.counters.samples += samples
+        log.debug("step %d in %.1f ms", self.step_count, (time.perf_counter() - t0) * 1e3)
+
+    def _push_pull(self, shard: int, key_base: str, samples: int) -> None:
+        a, b = self.plan.ranges[shard]
+        client = self._clients[shard]
+        version = self.versions[shard]
+        chunks = self.encoder.encode(shard, self.flat_grads[a:b], client.chunk_bytes)
+        reply, sent = client.push(chunks, worker=self.member_id, version=version, key=f"{key_base}/{shard}",
+                                  view_epoch=self.chief.view.epoch if self.chief.view else 0, samples=samples)
+        self._count(pushed=sent)
+        wait_for = version + 1 if (reply.accepted and not reply.duplicate and self.mode == "sync") else reply.version
+        self._pull_shard(shard, wait_for)
+
+    def _pull_shard(self, shard: int, min_version: int = 0) -> None:
+        a, b = self.plan.ranges[shard]
+        target = self.flat_weights[a:b]
+        buf = target if target.device.type == "cpu" else torch.empty(b - a, dtype=torch.float32)
+        while True:
+            try:
+                version, got = self._clients[shard].pull(buf, min_version, self.pull_codec)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                log.info("shard %d: still waiting for version %d", shard, min_version)
+        if buf is not target:
+            target.copy_(buf, non_blocking=True)
+        self.versions[shard] = version
+        self._count(pulled=got)
+
+    def pull(self) -> None:
+        """Refreshes the local weights from every shard (e.g. before evaluating)."""
+        list(self._pool.map(self._pull_shard, self._clients))
+
+    # ------------------------------------------------------------ data
+
+    def batches(self, data: Any, batch_size: int, epochs: int = 1, batches_per_task: int = 4,
+                seed: int = 0, prefetch: int = 2) -> Iterator[Any]:
+        """Yields the batches of the tasks the chief hands this worker, until the job's data is done.
+
+        Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
+        """
+        spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
+        feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch)
+        self._feed = feed
+        try:
+            for task in feed:
+                for batch in batches_of(data, task, batch_size):
+                    yield batch
+                feed.mark_done(task)
+            feed.flush()
+        finally:
+            feed.close()
+            self._feed = None
+
+    # ------------------------------------------------------------ reporting
+
+    def _count(self, pushed: int = 0, pulled: int = 0) -> None:
+        with self._counter_lock:
+            self.counters.bytes_pushed += pushed
+            self.counters.bytes_pulled += pulled
+
+    def _snapshot_counters(self) -> Counters:
+        with self._counter_lock:
+            c = self.counters
+            return Counters(c.steps, c.samples, c.bytes_pushed, c.bytes_pulled)
+
+    def report(self, **values: float) -> None:
+        """Publishes job-level metrics (e.g. ``test_accuracy``) to the chief."""
+        self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id,
+                                                       values={k: float(v) for k, v in values.items()}),
+                                      timeout=10)
+
+    def close(self) -> None:
+        """Leaves the job gracefully (returns held tasks) and closes connections."""
+        self.chief.leave()
+        self._pool.shutdown(wait=False)
+        for c in self._clients.values():
+            c.close()
+        self.chief.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
