@@ -48,12 +48,15 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 raise InvalidArgument(f"unknown role {request.role}")
             self._cond.notify_all()
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
-                                view=self._view(), shard=shard)
+                                view=self._view(), shard=shard,
+                                job_secret=self.state.secret if request.role == pb.PS else b"")
 
     @grpc_errors
     def Heartbeat(self, request, context):
         with self._cond:
-            known = self.state.heartbeat(request.member_id, convert.counters_from_pb(request.counters))
+            known = self.state.heartbeat(request.member_id, convert.counters_from_pb(request.counters),
+                                         {p.task_id: p.next_start for p in request.progress},
+                                         request.step_seconds)
             return pb.HeartbeatReply(epoch=self.state.epoch, known=known)
 
     @grpc_errors
@@ -77,11 +80,15 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     @grpc_errors
     def GetTasks(self, request, context):
         spec = convert.dataset_from_pb(request.dataset) if request.HasField("dataset") else None
+        dropped = tuple((b.epoch, b.start, b.stop) for b in request.dropped)
         with self._cond:
+            before = self.state.epoch
             tasks, finished = self.state.take_tasks(request.member_id, spec, request.max_tasks,
-                                                    tuple(request.done_task_ids))
-            return pb.TaskReply(tasks=[convert.task_to_pb(t) for t in tasks], finished=finished,
-                                epoch=self.state.epoch)
+                                                    tuple(request.done_task_ids), dropped)
+            if self.state.epoch != before:
+                self._cond.notify_all()
+            return pb.TaskReply(tasks=[convert.task_to_pb(t, self.state.sign(request.member_id, t)) for t in tasks],
+                                finished=finished, epoch=self.state.epoch)
 
     @grpc_errors
     def ReportMetrics(self, request, context):
@@ -97,4 +104,6 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=s.metrics,
                                workers_seen=len(workers), workers_live=len(s.members.alive(Role.WORKER)),
                                tasks_done=s.tasks.done_count, tasks_total=s.tasks.total,
-                               job=convert.job_to_pb(s.job))
+                               job=convert.job_to_pb(s.job), queue_depth=s.tasks.depth,
+                               completed_epochs=s.tasks.completed_epochs,
+                               epochs=s.tasks.spec.epochs if s.tasks.spec else 0)

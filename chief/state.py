@@ -7,10 +7,12 @@ cluster view shows bumps ``epoch``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from shoal.chief.membership import Counters, Member, Membership, Role
+from shoal import tokens
+from shoal.chief.membership import Counters, Member, Membership, MemberState, Role
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
 from shoal.errors import FailedPrecondition, NotFound
@@ -34,11 +36,18 @@ class View:
     ready: bool
     job: JobConfig
     fingerprint: str
+    completed_epochs: int = 0
+    stragglers: frozenset[str] = frozenset()
+    step_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 class ChiefState:
-    def __init__(self, job: JobConfig, clock: Callable[[], float]):
+    def __init__(self, job: JobConfig, clock: Callable[[], float], secret: bytes | None = None,
+                 straggler_factor: float = 2.0):
         self.job = job
+        self.secret = secret or tokens.new_secret()
+        self.straggler_factor = straggler_factor
+        self.step_seconds: dict[str, float] = {}
         self.epoch = 0
         self.members = Membership(job.lease_seconds, clock)
         self.tasks = TaskQueue()
@@ -73,8 +82,28 @@ class ChiefState:
         self._changed(f"ps {m.member_id} joined (shard {shard})")
         return m, shard
 
-    def heartbeat(self, member_id: str, counters: Counters | None = None) -> bool:
-        return self.members.heartbeat(member_id, counters)
+    def heartbeat(self, member_id: str, counters: Counters | None = None,
+                  progress: Mapping[int, int] | None = None, step_seconds: float = 0.0) -> bool:
+        """Renews the lease; records task progress (for resuming) and the step time (for stragglers)."""
+        if not self.members.heartbeat(member_id, counters):
+            return False
+        for task_id, next_start in (progress or {}).items():
+            self.tasks.progress(member_id, task_id, next_start)
+        if step_seconds > 0:
+            self.step_seconds[member_id] = step_seconds
+        return True
+
+    def stragglers(self) -> set[str]:
+        """Busy workers slower than ``straggler_factor`` times the median step time."""
+        busy = {m.member_id for m in self.members.alive(Role.WORKER) if m.state is MemberState.ALIVE}
+        times = {w: t for w, t in self.step_seconds.items() if w in busy}
+        if len(times) < 2:
+            return set()
+        median = statistics.median(times.values())
+        return {w for w, t in times.items() if t > self.straggler_factor * median}
+
+    def sign(self, member_id: str, t: Task) -> bytes:
+        return tokens.sign(self.secret, member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
 
     def leave(self, member_id: str, counters: Counters | None = None) -> None:
         m = self.members.leave(member_id, counters)
@@ -101,14 +130,21 @@ class ChiefState:
     # ------------------------------------------------------------ data tasks
 
     def take_tasks(self, member_id: str, spec: DatasetSpec | None, max_tasks: int,
-                   done: tuple[int, ...] = ()) -> tuple[list[Task], bool]:
+                   done: tuple[int, ...] = (), dropped: tuple[tuple[int, int, int], ...] = ()
+                   ) -> tuple[list[Task], bool]:
+        """Records finished tasks and dropped batches ``(epoch, start, stop)``, hands out new tasks."""
         m = self.members.get(member_id)
         if not m.live:
             raise NotFound(f"member {member_id} is {m.state.value}; join again")
         if spec is not None:
             self.tasks.configure(spec)
+        for epoch, start, stop in dropped:
+            self.tasks.requeue_batch(member_id, epoch, start, stop)
+        completed_before = self.tasks.completed_epochs
         for tid in done:
             self.tasks.complete(member_id, tid)
+        if self.tasks.completed_epochs != completed_before:
+            self._changed(f"epoch {self.tasks.completed_epochs - 1} complete")
         got = self.tasks.take(member_id, max_tasks) if max_tasks > 0 else []
         if max_tasks > 0 and self.members.set_busy(member_id, bool(got) or bool(self.tasks.held_by(member_id))):
             self._changed(f"worker {member_id} is {m.state.value}")
@@ -125,7 +161,8 @@ class ChiefState:
         by_id = {m.member_id: m for m in alive}
         routes = tuple(Route(k, mid, by_id[mid].address) for k, mid in sorted(self.routing.items()) if mid in by_id)
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
-                    self.layout.fingerprint if self.layout else "")
+                    self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
+                    frozenset(self.stragglers()), dict(self.step_seconds))
 
     def totals(self) -> Counters:
         out = Counters()

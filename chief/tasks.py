@@ -3,12 +3,17 @@
 A task is a range of sample indices covering ``batches_per_task`` batches.
 States of a task: todo -> doing (held by one worker) -> done. A worker that
 leaves or loses its lease has its unfinished tasks put back at the front of
-the queue. Epoch ``e + 1`` is handed out only once epoch ``e`` has no todo
-tasks left, so epochs stay ordered while the last tasks of one are in flight.
+the queue, resuming at the first batch it had not reported as pushed. A batch
+that a parameter server dropped (a late gradient in a sync round) comes back
+as a one-batch task. Epoch ``e + 1`` is handed out only once epoch ``e`` has no
+todo tasks left, so epochs stay ordered while the last tasks of one are in
+flight. Every hand-out of a task gets a new ``attempt`` number, so a push from
+a worker that no longer holds the task can be told apart.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -31,6 +36,13 @@ class DatasetSpec:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"dataset {name} must be >= 1, got {getattr(self, name)}")
 
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-self.size // self.batch_size)
+
+    def batch_starts(self) -> range:
+        return range(0, self.size, self.batch_size)
+
 
 @dataclass(frozen=True)
 class Task:
@@ -38,6 +50,7 @@ class Task:
     epoch: int
     start: int
     stop: int
+    attempt: int = 0
 
 
 class TaskQueue:
@@ -45,9 +58,14 @@ class TaskQueue:
         self.spec: DatasetSpec | None = None
         self._todo: collections.deque[Task] = collections.deque()
         self._doing: dict[int, tuple[str, Task]] = {}
+        self._progress: dict[int, int] = {}          # task id -> first sample not yet pushed
         self._done: set[int] = set()
+        self._attempts: collections.Counter[int] = collections.Counter()
+        self._open_per_epoch: collections.Counter[int] = collections.Counter()
         self._next_epoch = 0
         self._tasks_per_epoch = 0
+        self._next_extra = 0
+        self._extra = 0
 
     def configure(self, spec: DatasetSpec) -> None:
         """The first worker describes the dataset; later ones must describe the same."""
@@ -55,6 +73,7 @@ class TaskQueue:
             self.spec = spec
             span = spec.batch_size * spec.batches_per_task
             self._tasks_per_epoch = -(-spec.size // span)
+            self._next_extra = self._tasks_per_epoch * spec.epochs
             log.info("dataset: %d samples, batch %d, %d epoch(s), %d tasks per epoch",
                      spec.size, spec.batch_size, spec.epochs, self._tasks_per_epoch)
         elif spec != self.spec:
@@ -62,7 +81,7 @@ class TaskQueue:
 
     @property
     def total(self) -> int:
-        return self._tasks_per_epoch * (self.spec.epochs if self.spec else 0)
+        return self._tasks_per_epoch * (self.spec.epochs if self.spec else 0) + self._extra
 
     @property
     def done_count(self) -> int:
@@ -76,6 +95,14 @@ class TaskQueue:
     def finished(self) -> bool:
         return self.spec is not None and len(self._done) == self.total
 
+    @property
+    def completed_epochs(self) -> int:
+        """How many leading epochs have every task (re-queued batches included) done."""
+        n = 0
+        while n < self._next_epoch and self._open_per_epoch[n] == 0:
+            n += 1
+        return n
+
     def _open_epoch(self) -> None:
         spec = self.spec
         assert spec is not None
@@ -86,6 +113,7 @@ class TaskQueue:
         for i in order:
             start = i * span
             self._todo.append(Task(e * self._tasks_per_epoch + i, e, start, min(spec.size, start + span)))
+        self._open_per_epoch[e] += len(order)
         self._next_epoch += 1
 
     def take(self, member: str, max_tasks: int) -> list[Task]:
@@ -98,26 +126,63 @@ class TaskQueue:
                     break
                 self._open_epoch()
             t = self._todo.popleft()
+            self._attempts[t.task_id] += 1
+            t = dataclasses.replace(t, attempt=self._attempts[t.task_id])
             self._doing[t.task_id] = (member, t)
             out.append(t)
         return out
 
-    def complete(self, member: str, task_id: int) -> None:
+    def _held(self, member: str, task_id: int) -> Task | None:
         held = self._doing.get(task_id)
         if held is None:
             if task_id in self._done:
-                return  # a retried report
+                return None  # a retried report
             raise InvalidArgument(f"task {task_id} is not held by anyone")
         if held[0] != member:
             raise FailedPrecondition(f"task {task_id} is held by {held[0]}, not {member}")
+        return held[1]
+
+    def complete(self, member: str, task_id: int) -> None:
+        t = self._held(member, task_id)
+        if t is None:
+            return
         del self._doing[task_id]
+        self._progress.pop(task_id, None)
         self._done.add(task_id)
+        self._open_per_epoch[t.epoch] -= 1
+
+    def progress(self, member: str, task_id: int, next_start: int) -> None:
+        """The member pushed every batch of the task before ``next_start``."""
+        held = self._doing.get(task_id)
+        if held is not None and held[0] == member and held[1].start <= next_start <= held[1].stop:
+            self._progress[task_id] = max(next_start, self._progress.get(task_id, held[1].start))
+
+    def requeue_batch(self, member: str, epoch: int, start: int, stop: int) -> Task:
+        """A batch a shard dropped goes back to the front of the queue as its own task."""
+        if self.spec is None or not (0 <= start < stop <= self.spec.size) or not 0 <= epoch < self._next_epoch:
+            raise InvalidArgument(f"dropped batch epoch {epoch} [{start}, {stop}) is not part of this job")
+        t = Task(self._next_extra, epoch, start, stop)
+        self._next_extra += 1
+        self._extra += 1
+        self._open_per_epoch[epoch] += 1
+        self._todo.appendleft(t)
+        log.debug("batch [%d, %d) of epoch %d from %s re-queued as task %d", start, stop, epoch, member, t.task_id)
+        return t
 
     def release(self, member: str) -> list[Task]:
-        """Puts the member's unfinished tasks back at the front of the queue."""
-        back = [t for m, t in self._doing.values() if m == member]
-        for t in sorted(back, key=lambda t: t.task_id, reverse=True):
+        """Puts the member's unfinished tasks back at the front of the queue, from their progress."""
+        back = []
+        for m, t in list(self._doing.values()):
+            if m != member:
+                continue
             del self._doing[t.task_id]
+            resume = self._progress.pop(t.task_id, t.start)
+            if resume >= t.stop:                      # everything was pushed: it only missed the report
+                self._done.add(t.task_id)
+                self._open_per_epoch[t.epoch] -= 1
+                continue
+            back.append(dataclasses.replace(t, start=resume))
+        for t in sorted(back, key=lambda t: t.task_id, reverse=True):
             self._todo.appendleft(t)
         if back:
             log.info("re-queued %d task(s) of %s", len(back), member)

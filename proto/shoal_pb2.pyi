@@ -77,20 +77,24 @@ class JoinRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("member_id", "role", "address", "host", "state", "counters")
+    __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     role: Role
     address: str
     host: str
     state: str
     counters: Counters
-    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
+    step_seconds: float
+    straggler: bool
+    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class ShardRoute(_message.Message):
     __slots__ = ("shard", "primary_id", "primary_address")
@@ -103,40 +107,56 @@ class ShardRoute(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint")
+    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardRoute]
     ready: bool
     job: JobConfig
     layout_fingerprint: str
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    completed_epochs: int
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("member_id", "lease_seconds", "view", "shard")
+    __slots__ = ("member_id", "lease_seconds", "view", "shard", "job_secret")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_seconds: float
     view: ClusterView
     shard: int
-    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ...) -> None: ...
+    job_secret: bytes
+    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., job_secret: _Optional[bytes] = ...) -> None: ...
+
+class TaskProgress(_message.Message):
+    __slots__ = ("task_id", "next_start")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_START_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    next_start: int
+    def __init__(self, task_id: _Optional[int] = ..., next_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "counters")
+    __slots__ = ("member_id", "counters", "progress", "step_seconds")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     counters: Counters
-    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[TaskProgress]
+    step_seconds: float
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("epoch", "known")
@@ -177,28 +197,44 @@ class DatasetSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_task: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "epoch", "start", "stop")
+    __slots__ = ("task_id", "epoch", "start", "stop", "attempt", "token")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     epoch: int
     start: int
     stop: int
-    def __init__(self, task_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+    attempt: int
+    token: bytes
+    def __init__(self, task_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class BatchRange(_message.Message):
+    __slots__ = ("epoch", "start", "stop")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    start: int
+    stop: int
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("member_id", "dataset", "max_tasks", "done_task_ids")
+    __slots__ = ("member_id", "dataset", "max_tasks", "done_task_ids", "dropped")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
     DONE_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     dataset: DatasetSpec
     max_tasks: int
     done_task_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, member_id: _Optional[str] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., max_tasks: _Optional[int] = ..., done_task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    dropped: _containers.RepeatedCompositeFieldContainer[BatchRange]
+    def __init__(self, member_id: _Optional[str] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., max_tasks: _Optional[int] = ..., done_task_ids: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[_Union[BatchRange, _Mapping]]] = ...) -> None: ...
 
 class TaskReply(_message.Message):
     __slots__ = ("tasks", "finished", "epoch")
@@ -226,7 +262,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +277,9 @@ class JobStats(_message.Message):
     TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
     TASKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -248,7 +287,10 @@ class JobStats(_message.Message):
     tasks_done: int
     tasks_total: int
     job: JobConfig
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+    queue_depth: int
+    completed_epochs: int
+    epochs: int
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "hparams")
@@ -288,7 +330,7 @@ class InitReply(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples")
+    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples", "has_batch", "task_id", "attempt", "token", "data_epoch", "task_start", "task_stop", "batch_start", "batch_stop")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +341,15 @@ class PushHeader(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     VIEW_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HAS_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TASK_START_FIELD_NUMBER: _ClassVar[int]
+    TASK_STOP_FIELD_NUMBER: _ClassVar[int]
+    BATCH_START_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STOP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shard: int
     layout_fingerprint: str
@@ -309,7 +360,16 @@ class PushHeader(_message.Message):
     key: str
     view_epoch: int
     samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+    has_batch: bool
+    task_id: int
+    attempt: int
+    token: bytes
+    data_epoch: int
+    task_start: int
+    task_stop: int
+    batch_start: int
+    batch_stop: int
+    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., has_batch: _Optional[bool] = ..., task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "version", "reason", "duplicate")
@@ -354,7 +414,14 @@ class PullHeader(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., shard_numel: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending")
+    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks")
+    class WorkerClocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SHARD_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +432,8 @@ class ShardStatus(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     ROUND_PENDING_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CLOCKS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -375,4 +444,16 @@ class ShardStatus(_message.Message):
     bytes_in: int
     bytes_out: int
     round_pending: int
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ...) -> None: ...
+    ledger: _containers.RepeatedCompositeFieldContainer[LedgerEpoch]
+    worker_clocks: _containers.ScalarMap[str, int]
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class LedgerEpoch(_message.Message):
+    __slots__ = ("epoch", "applied", "max_count")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    applied: int
+    max_count: int
+    def __init__(self, epoch: _Optional[int] = ..., applied: _Optional[int] = ..., max_count: _Optional[int] = ...) -> None: ...

@@ -34,6 +34,7 @@ class PSServer:
         self.server.start()
         reply = self.chief.join()
         job = convert.job_from_pb(reply.view.job)
+        self.host.secret = reply.job_secret
         if reply.shard < 0:
             log.warning("chief has no free shard for %s; serving nothing until one is assigned", self.address)
         else:
@@ -46,7 +47,7 @@ class PSServer:
 
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
-        self.host.set_live_workers(workers)
+        self.host.set_view(workers, view.completed_epochs)
 
     def stop(self, grace_s: float = 2.0) -> None:
         set_serving(self._health, SERVICE, False)

@@ -14,9 +14,10 @@ import torch
 
 from shoal.ps.consistency import rule_for
 from shoal.ps.shard import Shard
-from shoal import frames
+from shoal import frames, tokens
+from shoal.ps.ledger import BatchKey
 from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from shoal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors
@@ -34,6 +35,8 @@ class ShardHost:
         self.assigned: set[int] = set()
         self.shards: dict[int, Shard] = {}
         self.live_workers: frozenset[str] = frozenset()
+        self.secret: bytes = b""
+        self.completed_epochs = 0
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -67,9 +70,10 @@ class ShardHost:
                      optimizer.name, self.job.mode)
             return s, True
 
-    def set_live_workers(self, workers: frozenset[str]) -> None:
+    def set_view(self, workers: frozenset[str], completed_epochs: int) -> None:
         with self._lock:
             self.live_workers = workers
+            self.completed_epochs = max(self.completed_epochs, completed_epochs)
             shards = list(self.shards.values())
         for s in shards:
             s.set_live_workers(workers)
@@ -150,9 +154,25 @@ class DataServicer:
         if covered != shard.numel:
             raise InvalidArgument(f"push covers {covered} of shard {first.shard}'s {shard.numel} elements")
         self.host.count(inbound=nbytes)
-        r = shard.push(first.worker_id, first.version, grad, first.key)
+        r = shard.push(first.worker_id, first.version, grad, first.key, self._batch_of(first))
         return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason,
                             duplicate=r.duplicate).SerializeToString()
+
+    def _batch_of(self, head: pb.PushHeader) -> BatchKey | None:
+        """Checks a push's claim to its data: a task token the chief signed, a batch inside it."""
+        if not head.has_batch:
+            return None
+        if self.host.secret and not tokens.verify(self.host.secret, head.token, head.worker_id, head.task_id,
+                                                  head.attempt, head.data_epoch, head.task_start, head.task_stop):
+            raise PermissionDenied(f"worker {head.worker_id} does not hold task {head.task_id} "
+                                   f"(attempt {head.attempt}): its token does not verify")
+        if not head.task_start <= head.batch_start < head.batch_stop <= head.task_stop:
+            raise InvalidArgument(f"batch [{head.batch_start}, {head.batch_stop}) lies outside task "
+                                  f"{head.task_id} [{head.task_start}, {head.task_stop})")
+        if head.data_epoch < self.host.completed_epochs:
+            raise FailedPrecondition(f"epoch {head.data_epoch} is over (the job has completed "
+                                     f"{self.host.completed_epochs} epoch(s))")
+        return BatchKey(head.data_epoch, head.batch_start)
 
     @grpc_errors
     def Pull(self, request: bytes, context) -> Iterator[bytes]:
@@ -188,4 +208,6 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
         return pb.ShardStatus(shard=sid, initialized=True, version=s.version, numel=s.numel,
                               mode=job.mode if job else "", pushes_applied=s.stats.pushes_applied,
                               pushes_dropped=s.stats.pushes_dropped, bytes_in=self.host.bytes_in,
-                              bytes_out=self.host.bytes_out, round_pending=s.round_pending)
+                              bytes_out=self.host.bytes_out, round_pending=s.round_pending,
+                              ledger=[pb.LedgerEpoch(epoch=e.epoch, applied=e.applied, max_count=e.max_count)
+                                      for e in s.ledger_summary()], worker_clocks=s.worker_clocks())

@@ -14,10 +14,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from shoal.ps.consistency import Action, Rule
+from shoal.ps.consistency import Action, PushContext, Rule
+from shoal.ps.ledger import BatchKey, Ledger
 from shoal.ps.optim import build_optimizer
 from shoal.config import OptimizerSpec
-from shoal.errors import DeadlineExceeded, InvalidArgument
+from shoal.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class Shard:
         self._round_sum: torch.Tensor | None = None
         self._round_workers: set[str] = set()
         self._round_keys: list[str] = []
+        self._round_batches: dict[BatchKey, str] = {}
+        self._clocks: dict[str, int] = {}            # ssp: updates applied per worker
+        self.ledger = Ledger()
         self._live: frozenset[str] = frozenset()
         self._keys: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._snapshots: dict[str, tuple[int, bytes]] = {}
@@ -71,14 +75,36 @@ class Shard:
 
     # ------------------------------------------------------------ updates
 
-    def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "") -> PushResult:
-        """Offers one worker's gradient for this shard; applies it when the rule says so."""
+    def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "",
+             batch: BatchKey | None = None, wait_s: float = 30.0) -> PushResult:
+        """Offers one worker's gradient for this shard; applies it when the rule says so.
+
+        ``key`` names the push (a retry carries the same key and is applied once);
+        ``batch`` names the data it came from (applied at most once per epoch,
+        whoever pushes it). An ``ssp`` push that is too far ahead waits up to
+        ``wait_s`` and then fails with a retryable ResourceExhausted.
+        """
         if grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
+        deadline = self._clock() + wait_s
         with self._cond:
-            if key and key in self._keys:
-                return PushResult(True, self.version, "duplicate key", duplicate=True)
-            verdict = self.rule.admit(version, self.version, worker, self._round_workers)
+            while True:
+                if key and (key in self._keys or key in self._round_keys):
+                    return PushResult(True, self.version, "duplicate key", duplicate=True)
+                if batch is not None:
+                    owner = self.ledger.owner(batch) or self._round_batches.get(batch)
+                    if owner is not None:
+                        self.stats.pushes_dropped += 1
+                        return PushResult(False, self.version, f"batch {batch.epoch}/{batch.start} was applied "
+                                          f"by push {owner}", duplicate=True)
+                verdict = self.rule.admit(PushContext(worker, version, self.version, self._round_workers,
+                                                      self._live, self._clocks))
+                if verdict.action is not Action.WAIT:
+                    break
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise ResourceExhausted(verdict.reason)
+                self._cond.wait(min(left, 1.0))
             if verdict.action is Action.DROP:
                 self.stats.pushes_dropped += 1
                 log.debug("shard %d drops push of %s: %s", self.shard_id, worker, verdict.reason)
@@ -90,15 +116,21 @@ class Shard:
             self._round_workers.add(worker)
             if key:
                 self._round_keys.append(key)
+            if batch is not None:
+                self._round_batches[batch] = key or worker
             self.stats.pushes_applied += 1
             self._maybe_close_round()
             return PushResult(True, self.version)
 
     def set_live_workers(self, workers: Iterable[str]) -> None:
-        """Membership changed: the open round may now be complete."""
+        """Membership changed: the open round may now be complete, a waiting push may go."""
         with self._cond:
             self._live = frozenset(workers)
+            floor = min((self._clocks[w] for w in self._live if w in self._clocks), default=0)
+            for w in self._live:
+                self._clocks.setdefault(w, floor)   # a newcomer starts level with the slowest
             self._maybe_close_round()
+            self._cond.notify_all()
 
     def _maybe_close_round(self) -> None:
         if not self.rule.round_complete(self._round_workers, self._live):
@@ -114,7 +146,12 @@ class Shard:
             self._keys[k] = self.version
         while len(self._keys) > KEY_MEMORY:
             self._keys.popitem(last=False)
+        for b, owner in self._round_batches.items():
+            self.ledger.record(b, owner)
+        for w in self._round_workers:
+            self._clocks[w] = self._clocks.get(w, 0) + 1
         self._round_sum, self._round_workers, self._round_keys = None, set(), []
+        self._round_batches = {}
         self._snapshots.clear()
         log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
         self._cond.notify_all()
@@ -147,6 +184,14 @@ class Shard:
                 raise InvalidArgument(f"unknown pull codec {codec!r}; known: bf16, fp16, none")
             self._snapshots[codec] = (self.version, raw)
             return self.version, raw
+
+    def worker_clocks(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._clocks)
+
+    def ledger_summary(self):
+        with self._cond:
+            return self.ledger.summary()
 
     def values(self) -> torch.Tensor:
         """A copy of the current weights."""

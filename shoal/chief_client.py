@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 class ChiefClient:
     def __init__(self, address: str, role: int, *, host: str = "", address_advertised: str = "",
                  layout: pb.ModelLayout | None = None, counters: Callable[[], Counters] | None = None,
+                 heartbeat_extra: Callable[[pb.HeartbeatRequest], None] | None = None,
                  join_deadline_s: float | None = 120.0):
         self.chief_address = address
         self.role = role
@@ -31,6 +32,7 @@ class ChiefClient:
         self.advertised = address_advertised
         self.layout = layout
         self._counters = counters or Counters
+        self._heartbeat_extra = heartbeat_extra
         self._join_deadline_s = join_deadline_s
         self.channel = open_channel(address)
         self.stub = pb_grpc.ChiefStub(self.channel)
@@ -119,9 +121,10 @@ class ChiefClient:
         failures = 0
         while not self._stop.wait(period):
             try:
-                reply = self.stub.Heartbeat(pb.HeartbeatRequest(
-                    member_id=self.member_id, counters=convert.counters_to_pb(self._counters())),
-                    timeout=max(1.0, self.lease_seconds / 2))
+                req = pb.HeartbeatRequest(member_id=self.member_id, counters=convert.counters_to_pb(self._counters()))
+                if self._heartbeat_extra is not None:
+                    self._heartbeat_extra(req)
+                reply = self.stub.Heartbeat(req, timeout=max(1.0, self.lease_seconds / 2))
                 if failures:
                     log.info("chief reachable again after %d failed heartbeat(s)", failures)
                 failures = 0

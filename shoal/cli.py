@@ -10,8 +10,10 @@ import sys
 import threading
 from pathlib import Path
 
+import grpc
+
 from shoal.config import MODES, JobConfig, from_sources, load_yaml
-from shoal.errors import InvalidArgument, ShoalError
+from shoal.errors import InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
 
@@ -99,6 +101,17 @@ def cmd_local(args: argparse.Namespace) -> int:
     return run_local(cfg)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from shoal.status import collect, render, to_json
+
+    try:
+        snapshot = collect(args.chief)
+    except grpc.RpcError as exc:
+        raise Unavailable(f"cannot reach the chief at {args.chief}: {exc.code().name}") from exc
+    print(to_json(snapshot) if args.json else render(snapshot))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Elastic parameter servers for PyTorch.")
     parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"))
@@ -112,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with job settings (mode, staleness, ...)")
     _job_args(p)
     p.set_defaults(func=cmd_chief)
+
+    p = sub.add_parser("status", help="print the job at a glance")
+    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)

@@ -46,9 +46,12 @@ def view_to_pb(view: View) -> pb.ClusterView:
     return pb.ClusterView(
         epoch=view.epoch,
         members=[pb.MemberInfo(member_id=m.member_id, role=ROLE_TO_PB[m.role], address=m.address, host=m.host,
-                               state=m.state.value, counters=counters_to_pb(m.counters)) for m in view.members],
+                               state=m.state.value, counters=counters_to_pb(m.counters),
+                               step_seconds=view.step_seconds.get(m.member_id, 0.0),
+                               straggler=m.member_id in view.stragglers) for m in view.members],
         shards=[pb.ShardRoute(shard=r.shard, primary_id=r.member_id, primary_address=r.address) for r in view.routes],
-        ready=view.ready, job=job_to_pb(view.job), layout_fingerprint=view.fingerprint)
+        ready=view.ready, job=job_to_pb(view.job), layout_fingerprint=view.fingerprint,
+        completed_epochs=view.completed_epochs)
 
 
 def dataset_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:
@@ -60,9 +63,9 @@ def dataset_from_pb(msg: pb.DatasetSpec) -> DatasetSpec:
     return DatasetSpec(msg.size, msg.batch_size, msg.epochs, msg.batches_per_task, msg.seed)
 
 
-def task_to_pb(t: Task) -> pb.Task:
-    return pb.Task(task_id=t.task_id, epoch=t.epoch, start=t.start, stop=t.stop)
+def task_to_pb(t: Task, token: bytes = b"") -> pb.Task:
+    return pb.Task(task_id=t.task_id, epoch=t.epoch, start=t.start, stop=t.stop, attempt=t.attempt, token=token)
 
 
 def task_from_pb(msg: pb.Task) -> Task:
-    return Task(msg.task_id, msg.epoch, msg.start, msg.stop)
+    return Task(msg.task_id, msg.epoch, msg.start, msg.stop, msg.attempt)

@@ -42,3 +42,15 @@ class DeadlineExceeded(ShoalError):
     """A wait (for a version, a view) ran out of time; retryable."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ResourceExhausted(ShoalError):
+    """Retryable back-pressure: e.g. a worker too far ahead under bounded staleness."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class PermissionDenied(ShoalError):
+    """The caller may not do this (a push for a task it does not hold, a bad token)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

@@ -28,7 +28,7 @@ class TaskFeed:
     """Background fetcher of tasks; iterate it for :class:`Task` objects."""
 
     def __init__(self, stub, member_id: Callable[[], str], spec: DatasetSpec, prefetch: int = 2,
-                 poll_s: float = 0.1):
+                 poll_s: float = 0.05):
         self._stub = stub
         self._member_id = member_id
         self._spec = convert.dataset_to_pb(spec)
@@ -36,6 +36,7 @@ class TaskFeed:
         self._poll_s = poll_s
         self._ready: queue.Queue = queue.Queue()
         self._done: list[int] = []
+        self._dropped: list[pb.BatchRange] = []
         self._done_lock = threading.Lock()
         self._space = threading.Semaphore(self._prefetch)
         self._stop = threading.Event()
@@ -45,13 +46,15 @@ class TaskFeed:
     def _request(self, max_tasks: int) -> pb.TaskReply:
         with self._done_lock:
             done, self._done = self._done, []
+            dropped, self._dropped = self._dropped, []
         req = pb.TaskRequest(member_id=self._member_id(), dataset=self._spec, max_tasks=max_tasks,
-                             done_task_ids=done)
+                             done_task_ids=done, dropped=dropped)
         try:
             return with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
         except grpc.RpcError:
             with self._done_lock:
                 self._done = done + self._done
+                self._dropped = dropped + self._dropped
             raise
 
     def _run(self) -> None:
@@ -63,7 +66,7 @@ class TaskFeed:
                 reply = self._request(1)
                 if reply.tasks:
                     for t in reply.tasks:
-                        self._ready.put(convert.task_from_pb(t))
+                        self._ready.put((convert.task_from_pb(t), t.token))
                     continue
                 self._space.release()
                 if reply.finished:
@@ -78,10 +81,15 @@ class TaskFeed:
             self._done.append(task.task_id)
         self._space.release()
 
-    def flush(self) -> None:
-        """Reports finished tasks now (before leaving the job)."""
+    def drop(self, epoch: int, start: int, stop: int) -> None:
+        """A shard dropped this batch (a late sync gradient): hand it out again."""
         with self._done_lock:
-            pending = bool(self._done)
+            self._dropped.append(pb.BatchRange(epoch=epoch, start=start, stop=stop))
+
+    def flush(self) -> None:
+        """Reports finished tasks and dropped batches now (before leaving the job)."""
+        with self._done_lock:
+            pending = bool(self._done or self._dropped)
         if pending:
             self._request(0)
 
@@ -90,7 +98,8 @@ class TaskFeed:
         self._space.release()
         self._thread.join(timeout=5)
 
-    def __iter__(self) -> Iterator[Task]:
+    def __iter__(self) -> Iterator[tuple[Task, bytes]]:
+        """Yields ``(task, token)``; ends when the whole job's data is done."""
         while True:
             item = self._ready.get()
             if item is _END:
@@ -100,16 +109,16 @@ class TaskFeed:
             yield item
 
 
-def batches_of(data: Any, task: Task, batch_size: int) -> Iterator[Any]:
-    """The batches of one task from a tuple of tensors or a map-style dataset."""
+def batches_of(data: Any, task: Task, batch_size: int) -> Iterator[tuple[int, int, Any]]:
+    """``(start, stop, batch)`` for each batch of one task, from tensors or a map-style dataset."""
     for start in range(task.start, task.stop, batch_size):
         stop = min(task.stop, start + batch_size)
         if isinstance(data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in data):
-            yield tuple(t[start:stop] for t in data)
+            yield start, stop, tuple(t[start:stop] for t in data)
         elif isinstance(data, torch.Tensor):
-            yield data[start:stop]
+            yield start, stop, data[start:stop]
         else:
-            yield default_collate([data[i] for i in range(start, stop)])
+            yield start, stop, default_collate([data[i] for i in range(start, stop)])
 
 
 def dataset_size(data: Dataset | Sequence[torch.Tensor] | torch.Tensor) -> int:

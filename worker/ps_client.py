@@ -50,8 +50,11 @@ class ShardClient:
         return pb.InitReply.FromString(self._init(gen(), timeout=timeout_s))
 
     def push(self, chunks: list[tuple[int, int, str, bytes]], *, worker: str, version: int, key: str,
-             view_epoch: int, samples: int, timeout_s: float = 60) -> tuple[pb.PushReply, int]:
-        """Pushes encoded chunks ``(offset, numel, codec_tag, payload)``; returns the reply and bytes sent."""
+             view_epoch: int, samples: int, timeout_s: float = 60, **batch: object) -> tuple[pb.PushReply, int]:
+        """Pushes encoded chunks ``(offset, numel, codec_tag, payload)``; returns the reply and bytes sent.
+
+        ``batch`` holds the PushHeader fields naming the data (task, token, batch range).
+        """
         sent = 0
 
         def gen():
@@ -59,7 +62,7 @@ class ShardClient:
             for off, n, tag, payload in chunks:
                 head = pb.PushHeader(worker_id=worker, shard=self.shard, layout_fingerprint=self.fingerprint,
                                      version=version, codec=tag, offset=off, numel=n, key=key,
-                                     view_epoch=view_epoch, samples=samples)
+                                     view_epoch=view_epoch, samples=samples, **batch)
                 frame = frames.pack(head, payload)
                 sent += len(frame)
                 yield frame

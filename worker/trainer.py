@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import grpc
@@ -19,7 +20,7 @@ import torch
 
 from shoal import convert
 from shoal.chief.membership import Counters
-from shoal.chief.tasks import DatasetSpec
+from shoal.chief.tasks import DatasetSpec, Task
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.errors import InvalidArgument
@@ -32,6 +33,21 @@ from shoal.worker.push import GradientEncoder
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """The batch the training loop is on: what a push says about its data."""
+
+    task: Task
+    token: bytes
+    start: int
+    stop: int
+
+    def header_fields(self) -> dict:
+        t = self.task
+        return dict(has_batch=True, task_id=t.task_id, attempt=t.attempt, token=self.token, data_epoch=t.epoch,
+                    task_start=t.start, task_stop=t.stop, batch_start=self.start, batch_stop=self.stop)
 
 
 class Trainer:
@@ -56,8 +72,13 @@ class Trainer:
         self.layout = ModelLayout.from_module(model)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
+        self._batch: BatchContext | None = None
+        self._progress: dict[int, int] = {}
+        self._step_seconds = 0.0
+        self._last_step_end = 0.0
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
-                                 layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters)
+                                 layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
+                                 heartbeat_extra=self._fill_heartbeat)
         self.chief.join()
         self.chief.start_background()
         view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
@@ -127,27 +148,57 @@ class Trainer:
                 p.grad = g
 
     def step(self, samples: int = 0) -> None:
-        """Pushes this step's gradients to every shard and pulls the new weights."""
+        """Pushes this step's gradients to every shard and pulls the new weights.
+
+        Inside :meth:`batches` the push names its batch, so every shard applies
+        that batch at most once; a batch some shard dropped (a late gradient in
+        a sync round) is handed back to the chief to be trained again.
+        """
         t0 = time.perf_counter()
         self._gather_grads()
-        key_base = f"{self.member_id}/{self.step_count}"
-        list(self._pool.map(lambda k: self._push_pull(k, key_base, samples), self._clients))
+        batch = self._batch
+        if batch is not None:
+            samples = samples or batch.stop - batch.start
+            key_base = f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
+        else:
+            key_base = f"{self.member_id}/step{self.step_count}"
+        replies = list(self._pool.map(lambda k: self._push_pull(k, key_base, samples, batch), self._clients))
+        if batch is not None and self._feed is not None:
+            if any(not r.accepted and not r.duplicate for r in replies):
+                self._feed.drop(batch.task.epoch, batch.start, batch.stop)
+            with self._counter_lock:
+                self._progress[batch.task.task_id] = batch.stop
         self.step_count += 1
+        now = time.perf_counter()
         with self._counter_lock:
             self.counters.steps += 1
             self.counters.samples += samples
-        log.debug("step %d in %.1f ms", self.step_count, (time.perf_counter() - t0) * 1e3)
+            if self._last_step_end:
+                period = now - self._last_step_end
+                self._step_seconds = period if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * period
+            self._last_step_end = now
+        log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
 
-    def _push_pull(self, shard: int, key_base: str, samples: int) -> None:
+    def _push_pull(self, shard: int, key_base: str, samples: int, batch: "BatchContext | None") -> pb.PushReply:
         a, b = self.plan.ranges[shard]
         client = self._clients[shard]
         version = self.versions[shard]
         chunks = self.encoder.encode(shard, self.flat_grads[a:b], client.chunk_bytes)
-        reply, sent = client.push(chunks, worker=self.member_id, version=version, key=f"{key_base}/{shard}",
-                                  view_epoch=self.chief.view.epoch if self.chief.view else 0, samples=samples)
+        extra = batch.header_fields() if batch is not None else {}
+        while True:
+            try:
+                reply, sent = client.push(chunks, worker=self.member_id, version=version, key=f"{key_base}/{shard}",
+                                          view_epoch=self.chief.view.epoch if self.chief.view else 0,
+                                          samples=samples, **extra)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
+                    raise
+                log.info("shard %d: %s; retrying", shard, exc.details())
         self._count(pushed=sent)
         wait_for = version + 1 if (reply.accepted and not reply.duplicate and self.mode == "sync") else reply.version
         self._pull_shard(shard, wait_for)
+        return reply
 
     def _pull_shard(self, shard: int, min_version: int = 0) -> None:
         a, b = self.plan.ranges[shard]
@@ -182,12 +233,17 @@ class Trainer:
         feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch)
         self._feed = feed
         try:
-            for task in feed:
-                for batch in batches_of(data, task, batch_size):
+            for task, token in feed:
+                for start, stop, batch in batches_of(data, task, batch_size):
+                    self._batch = BatchContext(task, token, start, stop)
                     yield batch
+                self._batch = None
+                with self._counter_lock:
+                    self._progress.pop(task.task_id, None)
                 feed.mark_done(task)
             feed.flush()
         finally:
+            self._batch = None
             feed.close()
             self._feed = None
 
@@ -197,6 +253,12 @@ class Trainer:
         with self._counter_lock:
             self.counters.bytes_pushed += pushed
             self.counters.bytes_pulled += pulled
+
+    def _fill_heartbeat(self, req: pb.HeartbeatRequest) -> None:
+        with self._counter_lock:
+            for task_id, next_start in self._progress.items():
+                req.progress.add(task_id=task_id, next_start=next_start)
+            req.step_seconds = self._step_seconds
 
     def _snapshot_counters(self) -> Counters:
         with self._counter_lock:

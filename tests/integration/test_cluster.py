@@ -29,9 +29,19 @@ def train(trainer, model, x, y, epochs=3):
         trainer.step(samples=len(xb))
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_two_workers_train_and_agree(cluster_factory, mode):
-    c = cluster_factory(2, mode=mode)
+def assert_exactly_once(cluster, size, batch_size, epochs):
+    want = set(range(0, size, batch_size))
+    for ps in cluster.servers:
+        for shard in ps.host.shards.values():
+            for e in range(epochs):
+                starts = shard.ledger.starts(e)
+                assert set(starts) == want, f"shard {shard.shard_id} epoch {e}: missing {sorted(want - set(starts))}"
+                assert set(starts.values()) == {1}, f"shard {shard.shard_id} epoch {e}: a batch applied twice"
+
+
+@pytest.mark.parametrize("mode,extra", [("sync", {}), ("async", {}), ("ssp", {"staleness": 1})])
+def test_two_workers_train_and_agree(cluster_factory, mode, extra):
+    c = cluster_factory(2, mode=mode, **extra)
     x, y = data()
     models = [mlp(0), mlp(1)]                       # different random inits: the first Init wins
     trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
@@ -44,12 +54,13 @@ def test_two_workers_train_and_agree(cluster_factory, mode):
     assert torch.equal(w0, w1)
     assert F.cross_entropy(models[0](x), y).item() < before * 0.7
     steps = sum(t.step_count for t in trainers)
-    assert steps == 3 * 256 // 16                   # every batch of every epoch trained once
     versions = [s.host.get(k).version for k, s in enumerate(c.servers)]
+    assert_exactly_once(c, 256, 16, 3)
     if mode == "sync":
-        assert all(steps / 2 <= v <= steps for v in versions)
+        assert steps >= 3 * 256 // 16                # dropped (stale) batches are trained again
+        assert all(3 * 256 // 32 <= v <= steps for v in versions)
     else:
-        assert versions == [steps, steps]
+        assert steps == 3 * 256 // 16 and versions == [steps, steps]
     for t in trainers:
         t.close()
 
@@ -117,3 +128,74 @@ def test_role_retries_an_unreachable_chief_and_says_so(caplog):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert any("join chief" in r.message and "retrying" in r.message for r in caplog.records)
     client.close()
+
+
+def test_backup_worker_rounds_drop_the_straggler_and_requeue_its_batches(cluster_factory):
+    import time
+    c = cluster_factory(1, mode="sync", backup_workers=1)
+    x, y = data(192)
+    models = [mlp(0) for _ in range(3)]
+    trainers = [Trainer(m, chief=c.chief_address, lr=0.05) for m in models]
+
+    def run(t, m, delay):
+        for xb, yb in t.batches((x, y), batch_size=16, epochs=2, batches_per_task=1):
+            if delay:
+                time.sleep(delay)
+            t.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            t.step()
+
+    run_threads(*[lambda t=t, m=m, d=d: run(t, m, d) for t, m, d in zip(trainers, models, (0, 0, 0.05))])
+    shard = c.servers[0].host.get(0)
+    assert shard.stats.pushes_dropped > 0               # the slow worker's late gradients were dropped ...
+    assert_exactly_once(c, 192, 16, 2)                   # ... and their batches trained again by someone
+    assert c.chief.state.tasks.finished and c.chief.state.tasks.total > 2 * 12
+    for t in trainers:
+        t.close()
+
+
+def test_a_push_for_a_task_the_worker_does_not_hold_is_refused(cluster_factory):
+    from shoal import frames
+    from shoal.layout import ModelLayout
+    from shoal.worker.ps_client import ShardClient
+
+    c = cluster_factory(1, mode="async")
+    x, y = data(64)
+    m = mlp()
+    t = Trainer(m, chief=c.chief_address)
+    feed = iter(t.batches((x, y), batch_size=16, epochs=1, batches_per_task=4))
+    next(feed)                                            # this worker now holds task 0 (attempt 1)
+    layout = ModelLayout.from_module(m)
+    client = ShardClient(0, c.servers[0].address, layout.numel, layout.fingerprint)
+    grad = torch.ones(layout.numel)
+    claim = dict(has_batch=True, task_id=0, data_epoch=0, task_start=0, task_stop=64, batch_start=0, batch_stop=16)
+    for who, attempt in (("worker-9", 1), (t.member_id, 2)):   # another member; a later hand-out
+        with pytest.raises(grpc.RpcError) as e:
+            client.push([(0, layout.numel, "none", frames.tensor_bytes(grad))], worker=who, version=0,
+                        key=f"forged-{who}", view_epoch=0, samples=16, attempt=attempt, token=b"x" * 16, **claim)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "does not hold task 0" in e.value.details()
+    assert c.servers[0].host.get(0).version == 0          # nothing changed
+    m(x[:16]).sum().backward()
+    t.step()                                              # the holder's own push goes through
+    assert c.servers[0].host.get(0).version == 1
+    client.close()
+    t.close()
+
+
+def test_status_shows_members_shards_and_ledger(cluster_factory, capsys):
+    from shoal.cli import main
+    c = cluster_factory(2, mode="async")
+    x, y = data(64)
+    m = mlp()
+    t = Trainer(m, chief=c.chief_address)
+    train(t, m, x, y, epochs=1)
+    assert main(["status", "--chief", c.chief_address]) == 0
+    text = capsys.readouterr().out
+    assert "mode async" in text and "epochs 1/1" in text and "tasks 1/1 done" in text
+    assert t.member_id in text and "ps-0" in text
+    assert main(["status", "--chief", c.chief_address, "--json"]) == 0
+    import json
+    snap = json.loads(capsys.readouterr().out)
+    assert [s["ledger"] for s in snap["shards"]] == [[{"epoch": 0, "batches": 4, "max_count": 1}]] * 2
+    assert snap["shards"][0]["version"] == 4
+    t.close()

@@ -101,3 +101,27 @@ def test_graceful_leave_returns_tasks_immediately(clock):
     s.leave(a.member_id)
     got, _ = s.take_tasks(b.member_id, spec, 4)
     assert {t.task_id for t in got} == {0, 1, 2, 3} and set(t.task_id for t in held) <= {t.task_id for t in got}
+
+
+def test_stragglers_are_flagged_against_the_median(clock):
+    s = ChiefState(JobConfig(), clock, straggler_factor=2.0)
+    ws = [s.join_worker(LAYOUT) for _ in range(4)]
+    spec = DatasetSpec(size=400, batch_size=10, epochs=1, batches_per_task=1)
+    for w in ws:
+        s.take_tasks(w.member_id, spec, 1)
+    for w, secs in zip(ws, (0.10, 0.11, 0.12, 0.35)):
+        s.heartbeat(w.member_id, step_seconds=secs)
+    assert s.stragglers() == {ws[3].member_id}
+    s.heartbeat(ws[3].member_id, step_seconds=0.2)
+    assert s.stragglers() == set()
+
+
+def test_task_tokens_bind_holder_and_attempt(clock):
+    from shoal import tokens
+    s = ChiefState(JobConfig(), clock)
+    a = s.join_worker(LAYOUT)
+    t = s.take_tasks(a.member_id, DatasetSpec(size=40, batch_size=10), 1)[0][0]
+    tok = s.sign(a.member_id, t)
+    assert tokens.verify(s.secret, tok, a.member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
+    assert not tokens.verify(s.secret, tok, "worker-9", t.task_id, t.attempt, t.epoch, t.start, t.stop)
+    assert not tokens.verify(s.secret, tok, a.member_id, t.task_id, t.attempt + 1, t.epoch, t.start, t.stop)

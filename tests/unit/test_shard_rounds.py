@@ -107,3 +107,71 @@ def test_snapshot_is_cached_per_version_and_codec():
     assert len(s.snapshot("bf16")[1]) == 8
     with pytest.raises(InvalidArgument, match="unknown pull codec"):
         s.snapshot("int3")
+
+
+def test_a_batch_is_applied_once_whoever_pushes_it():
+    from shoal.ps.ledger import BatchKey
+    s = shard(AsyncRule())
+    b = BatchKey(0, 32)
+    assert s.push("a", 0, ones(1), key="a/t1/32", batch=b).accepted
+    retry = s.push("a", 1, ones(1), key="a/t1/32", batch=b)            # same push again (a retry)
+    assert retry.accepted and retry.duplicate
+    other = s.push("b", 1, ones(1), key="b/t1.2/32", batch=b)          # the batch re-run elsewhere
+    assert not other.accepted and other.duplicate and "applied by push a/t1/32" in other.reason
+    assert s.version == 1 and s.ledger.starts(0) == {32: 1}
+
+
+def test_sync_ledger_records_batches_when_the_round_closes():
+    from shoal.ps.ledger import BatchKey
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})
+    s.push("a", 0, ones(1), key="ka", batch=BatchKey(0, 0))
+    assert s.ledger.starts(0) == {}
+    assert s.push("b", 0, ones(1), key="kb", batch=BatchKey(0, 0)).duplicate   # pending in the round
+    s.push("b", 0, ones(1), key="kb2", batch=BatchKey(0, 16))
+    assert s.ledger.starts(0) == {0: 1, 16: 1}
+
+
+def test_ssp_blocks_a_worker_too_far_ahead_until_the_slowest_catches_up():
+    from shoal.errors import ResourceExhausted
+    from shoal.ps.consistency import SSPRule
+    s = shard(SSPRule(staleness=1))
+    s.set_live_workers({"fast", "slow"})
+    s.push("fast", 0, ones(1))
+    s.push("fast", 1, ones(1))                           # clock 2 vs 0: next one must wait
+    with pytest.raises(ResourceExhausted, match="more than 1 ahead"):
+        s.push("fast", 2, ones(1), wait_s=0.05)
+    done = []
+    t = threading.Thread(target=lambda: done.append(s.push("fast", 2, ones(1), wait_s=5)))
+    t.start()
+    t.join(0.1)
+    assert not done                                      # still blocked
+    s.push("slow", 2, ones(1))                           # the slowest advances: fast may go
+    t.join(5)
+    assert done and done[0].accepted and s.version == 4
+
+
+def test_ssp_stops_waiting_for_a_worker_that_left():
+    from shoal.ps.consistency import SSPRule
+    s = shard(SSPRule(staleness=0))
+    s.set_live_workers({"a", "b"})
+    s.push("a", 0, ones(1))
+    done = []
+    t = threading.Thread(target=lambda: done.append(s.push("a", 1, ones(1), wait_s=5)))
+    t.start()
+    t.join(0.1)
+    assert not done
+    s.set_live_workers({"a"})
+    t.join(5)
+    assert done and done[0].accepted
+
+
+def test_ssp_newcomer_starts_level_with_the_slowest():
+    from shoal.ps.consistency import SSPRule
+    s = shard(SSPRule(staleness=0))
+    s.set_live_workers({"a"})
+    for v in range(3):
+        s.push("a", v, ones(1))
+    s.set_live_workers({"a", "b"})                       # b joins late: a is not held back by 3 steps
+    assert s.push("b", 3, ones(1), wait_s=0.05).accepted
+    assert s.push("a", 4, ones(1), wait_s=0.05).accepted

@@ -1,0 +1,80 @@
+"""``shoal status``: the job at a glance, from the chief's view and each shard's status."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.rpc import open_channel
+
+ROLE_NAMES = {pb.WORKER: "worker", pb.PS: "ps"}
+
+
+def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Reads the view and job stats from the chief, then each primary's shard status."""
+    ch = open_channel(chief)
+    try:
+        stub = pb_grpc.ChiefStub(ch)
+        view = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=timeout_s)
+        stats = stub.GetJobStats(pb.Empty(), timeout=timeout_s)
+    finally:
+        ch.close()
+    shards = []
+    for route in view.shards:
+        entry: dict[str, Any] = {"shard": route.shard, "primary": route.primary_id, "address": route.primary_address}
+        sch = open_channel(route.primary_address)
+        try:
+            st = pb_grpc.ParameterServerStub(sch).Status(pb.Empty(), timeout=timeout_s)
+            entry.update(version=st.version, numel=st.numel, applied=st.pushes_applied, dropped=st.pushes_dropped,
+                         round_pending=st.round_pending, clocks=dict(st.worker_clocks),
+                         ledger=[{"epoch": e.epoch, "batches": e.applied, "max_count": e.max_count}
+                                 for e in st.ledger])
+        except grpc.RpcError as exc:
+            entry["error"] = exc.code().name
+        finally:
+            sch.close()
+        shards.append(entry)
+    clocks: dict[str, int] = shards[0].get("clocks", {}) if shards else {}
+    lead = max(clocks.values(), default=0)
+    members = []
+    for m in view.members:
+        row = {"id": m.member_id, "role": ROLE_NAMES.get(m.role, "?"), "state": m.state, "host": m.host,
+               "address": m.address, "steps": m.counters.steps}
+        if m.role == pb.WORKER:
+            row.update(steps_per_s=round(1.0 / m.step_seconds, 2) if m.step_seconds else 0.0,
+                       lag=lead - clocks[m.member_id] if m.member_id in clocks else None,
+                       straggler=m.straggler)
+        members.append(row)
+    return {"view_epoch": view.epoch, "ready": view.ready, "mode": view.job.mode, "members": members,
+            "shards": shards, "tasks": {"done": stats.tasks_done, "total": stats.tasks_total,
+                                        "queue_depth": stats.queue_depth},
+            "epochs": {"completed": stats.completed_epochs, "total": stats.epochs},
+            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples}}
+
+
+def render(s: dict[str, Any]) -> str:
+    out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {'ready' if s['ready'] else 'NOT READY'}; "
+           f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
+           f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
+           "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
+    for m in s["members"]:
+        flags = "STRAGGLER" if m.get("straggler") else ""
+        lag = "" if m.get("lag") is None else str(m["lag"])
+        rate = f"{m['steps_per_s']:.1f}" if m["role"] == "worker" else ""
+        out.append(f"{m['id']:<12} {m['role']:<7} {m['state']:<8} {m['steps']:>7} {rate:>8} {lag:>5}  {flags}")
+    out += ["", f"{'shard':<6} {'primary':<10} {'version':>8} {'applied':>8} {'dropped':>8}  ledger (epoch:batches, max count)"]
+    for sh in s["shards"]:
+        if "error" in sh:
+            out.append(f"{sh['shard']:<6} {sh['primary']:<10} unreachable ({sh['error']})")
+            continue
+        ledger = " ".join(f"{e['epoch']}:{e['batches']}x{e['max_count']}" for e in sh["ledger"][-4:])
+        out.append(f"{sh['shard']:<6} {sh['primary']:<10} {sh['version']:>8} {sh['applied']:>8} "
+                   f"{sh['dropped']:>8}  {ledger}")
+    return "\n".join(out)
+
+
+def to_json(s: dict[str, Any]) -> str:
+    return json.dumps(s, indent=2, sort_keys=True)
