@@ -106,4 +106,5 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                tasks_done=s.tasks.done_count, tasks_total=s.tasks.total,
                                job=convert.job_to_pb(s.job), queue_depth=s.tasks.depth,
                                completed_epochs=s.tasks.completed_epochs,
-                               epochs=s.tasks.spec.epochs if s.tasks.spec else 0)
+                               epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
+                               batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0)

@@ -28,6 +28,7 @@ from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
+from shoal.status import collect, exactly_once
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,14 @@ class LocalCluster:
         finally:
             channel.close()
 
+    def shard_report(self) -> dict | None:
+        """Shard versions and ledgers, read before the servers stop."""
+        try:
+            return collect(self.chief_address)
+        except grpc.RpcError as exc:
+            log.warning("could not read shard status: %s", exc.code().name)
+            return None
+
     def stop(self) -> None:
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
         chief = [c for n, c in self.children.items() if n == "chief"]
@@ -196,6 +205,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         codes = cluster.wait_workers()
         seconds = time.monotonic() - started
         stats = cluster.job_stats()
+        shards = cluster.shard_report()
     except KeyboardInterrupt:
         log.info("interrupted: stopping the cluster")
         cluster.stop()
@@ -205,6 +215,9 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     cluster.stop()
     ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 for c in codes.values())
     summary = build_summary(cfg, codes, seconds, stats)
+    if shards is not None:
+        summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
+        summary["exactly_once"] = exactly_once(shards)
     if cfg.summary:
         path = Path(cfg.summary)
         path.parent.mkdir(parents=True, exist_ok=True)

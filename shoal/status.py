@@ -51,8 +51,23 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
     return {"view_epoch": view.epoch, "ready": view.ready, "mode": view.job.mode, "members": members,
             "shards": shards, "tasks": {"done": stats.tasks_done, "total": stats.tasks_total,
                                         "queue_depth": stats.queue_depth},
-            "epochs": {"completed": stats.completed_epochs, "total": stats.epochs},
+            "epochs": {"completed": stats.completed_epochs, "total": stats.epochs,
+                       "batches_per_epoch": stats.batches_per_epoch},
             "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples}}
+
+
+def exactly_once(s: dict[str, Any]) -> bool:
+    """Every shard's ledger holds every batch of every epoch, each applied once."""
+    want, epochs = s["epochs"]["batches_per_epoch"], s["epochs"]["total"]
+    if not s["shards"] or not want:
+        return False
+    for sh in s["shards"]:
+        ledger = {e["epoch"]: e for e in sh.get("ledger", [])}
+        if sorted(ledger) != list(range(epochs)):
+            return False
+        if any(e["batches"] != want or e["max_count"] != 1 for e in ledger.values()):
+            return False
+    return True
 
 
 def render(s: dict[str, Any]) -> str:

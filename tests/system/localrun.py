@@ -1,0 +1,72 @@
+"""Helpers for tests that drive ``shoal local`` as a real process tree."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.rpc import open_channel
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "examples" / "digits.py")
+SHOAL = [sys.executable, "-m", "shoal.cli"]
+
+
+def start_local(tmp_path: Path, *args: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Starts ``shoal local`` on the digits example; logs to tmp_path/local.log."""
+    log = open(tmp_path / "local.log", "w")
+    return subprocess.Popen([*SHOAL, "local", "--run-dir", str(tmp_path / "run"),
+                             "--summary", str(tmp_path / "summary.json"), *args, DIGITS, *script_args],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+
+def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 240) -> dict:
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("shoal local did not finish:\n" + (tmp_path / "local.log").read_text()[-4000:])
+    log = (tmp_path / "local.log").read_text()
+    assert rc == 0, log[-4000:]
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def pids(tmp_path: Path) -> dict[str, int]:
+    return json.loads((tmp_path / "run" / "pids.json").read_text())
+
+
+def job_steps(tmp_path: Path) -> int:
+    address = (tmp_path / "run" / "chief.address").read_text()
+    ch = open_channel(address)
+    try:
+        return pb_grpc.ChiefStub(ch).GetJobStats(pb.Empty(), timeout=2).totals.steps
+    except grpc.RpcError:
+        return 0
+    finally:
+        ch.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its reaper counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_worker(tmp_path: Path, name: str, *script_args: str) -> subprocess.Popen:
+    """A worker joining the running job from outside the supervisor."""
+    address = (tmp_path / "run" / "chief.address").read_text()
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen([*SHOAL, "worker", "--chief", address, DIGITS, *script_args],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)

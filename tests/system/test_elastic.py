@@ -1,0 +1,44 @@
+"""Workers started and SIGKILLed at random points of a real job, in every mode.
+
+Each run checks the exactly-once ledger of every shard (each batch of each
+epoch applied once) and the accuracy bar of the digits example.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+from localrun import finish, job_steps, pids, start_local, start_worker
+
+from shoal.testing import wait_until
+
+pytestmark = pytest.mark.system
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("sync", ()), ("async", ()), ("ssp", ("--staleness", "2")), ("sync", ("--backup-workers", "1")),
+], ids=["sync", "async", "ssp", "sync-backup"])
+def test_random_joins_and_kills_keep_exactly_once(tmp_path, mode, extra):
+    rng = random.Random(f"{mode}{extra}")
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "3", "--mode", mode, "--lease-seconds", "1.5", *extra)
+    wait_until(lambda: (tmp_path / "run" / "chief.address").exists(), timeout_s=60, what="the chief")
+    # 645 batches in all; three events at random points of the first two thirds
+    marks = sorted(rng.sample(range(40, 420), 3))
+    victims = rng.sample(["worker0", "worker1", "worker2"], 2)
+    joined = []
+    for i, mark in enumerate(marks):
+        wait_until(lambda m=mark: job_steps(tmp_path) >= m, timeout_s=120, what=f"step {mark}")
+        if i == 1:
+            joined.append(start_worker(tmp_path, "late-worker"))
+        else:
+            os.kill(pids(tmp_path)[victims.pop()], signal.SIGKILL)
+    summary = finish(proc, tmp_path)
+    for w in joined:
+        assert w.wait(60) == 0, (tmp_path / "late-worker.log").read_text()[-3000:]
+    codes = summary["worker_exit_codes"]
+    assert sorted(codes.values()) == [-signal.SIGKILL, -signal.SIGKILL, 0]
+    assert summary["exactly_once"], summary["ledger"]
+    assert summary["tasks_done"] == summary["tasks_total"]
+    assert summary["test_accuracy"] >= 0.95, summary
