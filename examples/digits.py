@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import torch
@@ -28,8 +29,11 @@ def load(seed: int):
     return (xtr, ytr), (xte, yte)
 
 
-def build_model(hidden: int) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+def build_model(hidden: int, depth: int = 1) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, hidden), torch.nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 10))
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -44,24 +48,41 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (a slow worker)")
+    p.add_argument("--depth", type=int, default=1, help="hidden layers")
+    p.add_argument("--compression", default=None, help="gradient codec (default: $SHOAL_COMPRESSION or none)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="seconds every worker sleeps per step")
+    p.add_argument("--slow-worker", type=int, default=-1, help="index of a worker made slower (shoal local)")
+    p.add_argument("--slow-delay", type=float, default=0.0, help="extra seconds per step for --slow-worker")
+    p.add_argument("--time-budget", type=float, default=0.0, help="stop training after this many seconds")
+    p.add_argument("--step-log", default="", help="append one wall-clock time per finished step to this file ({pid} is replaced)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
     (xtr, ytr), (xte, yte) = load(args.seed)
 
-    model = build_model(args.hidden)
-    trainer = Trainer(model, optimizer="adam", lr=args.lr)
+    delay = args.step_delay
+    if args.slow_worker >= 0 and os.environ.get("SHOAL_LOCAL_INDEX") == str(args.slow_worker):
+        delay += args.slow_delay
+    step_log = open(args.step_log.format(pid=os.getpid()), "a", buffering=1) if args.step_log else None
+    started = time.monotonic()
+
+    model = build_model(args.hidden, args.depth)
+    trainer = Trainer(model, optimizer="adam", lr=args.lr, compression=args.compression)
     for step, (xb, yb) in enumerate(trainer.batches((xtr, ytr), batch_size=args.batch_size,
                                                      epochs=args.epochs, seed=args.seed)):
         trainer.zero_grad()
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
+        if delay:
+            time.sleep(delay)
         trainer.step(samples=len(xb))
+        if step_log:
+            step_log.write(f"{time.time():.6f}\n")
         if step % 50 == 0:
             logging.info("step %d loss %.4f", step, loss.item())
-        if args.step_delay:
-            time.sleep(args.step_delay)
+        if args.time_budget and time.monotonic() - started > args.time_budget:
+            logging.info("time budget of %.1fs spent after %d steps", args.time_budget, step + 1)
+            break
     trainer.pull()
     acc = accuracy(model, xte, yte)
     logging.info("test accuracy %.4f after %d local steps", acc, trainer.step_count)

@@ -149,8 +149,10 @@ class LocalCluster:
             self.start_worker(f"worker{k}")
 
     def start_worker(self, name: str) -> Child:
+        index = name.removeprefix("worker")
         return self._spawn(name, ["worker", "--chief", self.chief_address, "--compression", self.cfg.compression,
-                                  "--pull-codec", self.cfg.pull_codec, self.cfg.script, *self.cfg.script_args])
+                                  "--pull-codec", self.cfg.pull_codec, self.cfg.script, *self.cfg.script_args],
+                           {"SHOAL_LOCAL_INDEX": index})
 
     def workers(self) -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith("worker")]
@@ -218,6 +220,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     if shards is not None:
         summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
         summary["exactly_once"] = exactly_once(shards)
+        summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in shards["shards"]}
     if cfg.summary:
         path = Path(cfg.summary)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -162,7 +162,16 @@ class Trainer:
             key_base = f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
         else:
             key_base = f"{self.member_id}/step{self.step_count}"
-        replies = list(self._pool.map(lambda k: self._push_pull(k, key_base, samples, batch), self._clients))
+        versions = dict(self.versions)
+        replies = dict(zip(self._clients, self._pool.map(
+            lambda k: self._push(k, versions[k], key_base, samples, batch), self._clients)))
+        # Sync: wait for the rounds only when every shard took this step's gradient. A worker that
+        # was late somewhere (a backup-worker round closed without it) moves on at once instead;
+        # waiting on the shards that did take it could deadlock against workers late elsewhere.
+        in_round = self.mode == "sync" and all(r.accepted and not r.duplicate for r in replies.values())
+        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version),
+                            self._clients))
+        replies = list(replies.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
                 self._feed.drop(batch.task.epoch, batch.start, batch.stop)
@@ -179,10 +188,10 @@ class Trainer:
             self._last_step_end = now
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
 
-    def _push_pull(self, shard: int, key_base: str, samples: int, batch: "BatchContext | None") -> pb.PushReply:
+    def _push(self, shard: int, version: int, key_base: str, samples: int,
+              batch: "BatchContext | None") -> pb.PushReply:
         a, b = self.plan.ranges[shard]
         client = self._clients[shard]
-        version = self.versions[shard]
         chunks = self.encoder.encode(shard, self.flat_grads[a:b], client.chunk_bytes)
         extra = batch.header_fields() if batch is not None else {}
         while True:
@@ -196,8 +205,6 @@ class Trainer:
                     raise
                 log.info("shard %d: %s; retrying", shard, exc.details())
         self._count(pushed=sent)
-        wait_for = version + 1 if (reply.accepted and not reply.duplicate and self.mode == "sync") else reply.version
-        self._pull_shard(shard, wait_for)
         return reply
 
     def _pull_shard(self, shard: int, min_version: int = 0) -> None:

@@ -131,21 +131,25 @@ def test_role_retries_an_unreachable_chief_and_says_so(caplog):
 
 
 def test_backup_worker_rounds_drop_the_straggler_and_requeue_its_batches(cluster_factory):
+    # Two shards close their rounds independently; workers late on one shard and on time on the
+    # other must not deadlock (each waiting on a round the others are late for).
+    import random
     import time
-    c = cluster_factory(1, mode="sync", backup_workers=1)
+    c = cluster_factory(2, mode="sync", backup_workers=1)
     x, y = data(192)
-    models = [mlp(0) for _ in range(3)]
+    models = [mlp(0) for _ in range(4)]
     trainers = [Trainer(m, chief=c.chief_address, lr=0.05) for m in models]
 
-    def run(t, m, delay):
+    def run(t, m, delay, seed):
+        jitter = random.Random(seed)
         for xb, yb in t.batches((x, y), batch_size=16, epochs=2, batches_per_task=1):
-            if delay:
-                time.sleep(delay)
+            time.sleep(delay + jitter.random() * 0.01)
             t.zero_grad()
             F.cross_entropy(m(xb), yb).backward()
             t.step()
 
-    run_threads(*[lambda t=t, m=m, d=d: run(t, m, d) for t, m, d in zip(trainers, models, (0, 0, 0.05))])
+    run_threads(*[lambda t=t, m=m, d=d, i=i: run(t, m, d, i)
+                  for i, (t, m, d) in enumerate(zip(trainers, models, (0, 0, 0, 0.04)))], timeout_s=120)
     shard = c.servers[0].host.get(0)
     assert shard.stats.pushes_dropped > 0               # the slow worker's late gradients were dropped ...
     assert_exactly_once(c, 192, 16, 2)                   # ... and their batches trained again by someone

@@ -1,0 +1,111 @@
+"""Elasticity: a worker joining a running job, and a worker SIGKILLed in one.
+
+Reports the time from starting a new worker process to its first accepted
+gradient (first finished step), and the longest gap between the other
+workers' steps during the join and during the kill, against their median
+step time before the event. Prints one JSON object per mode.
+
+    .venv/bin/python bench/elastic.py [--modes async sync] [--hidden 1024 --depth 3]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+def read_steps(pattern: str) -> dict[str, list[float]]:
+    out = {}
+    for path in glob.glob(pattern):
+        with open(path) as f:
+            out[path] = [float(x) for x in f.read().split()]
+    return out
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def gap_stats(times: list[float], start: float, end: float, before: float) -> tuple[float, float]:
+    """(longest gap between steps overlapping [start, end], median step time before ``before``)."""
+    pre = [b - a for a, b in zip(times, times[1:]) if b <= before][-50:]
+    window = [t for t in times if start <= t <= end]
+    prev = [t for t in times if t < start][-1:]
+    seq = prev + window
+    gaps = [b - a for a, b in zip(seq, seq[1:])]
+    return (max(gaps) if gaps else float("inf")), (statistics.median(pre) if pre else float("nan"))
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="shoal-elastic-"))
+    script = ["--epochs", "10000", "--hidden", str(args.hidden), "--depth", str(args.depth)]
+    log = open(tmp / "local.log", "w")
+    local = subprocess.Popen([sys.executable, "-m", "shoal.cli", "local", "--ps", "2", "--workers", "2",
+                              "--mode", mode, "--lease-seconds", str(args.lease), "--run-dir", str(tmp / "run"),
+                              DIGITS, *script, "--step-log", str(tmp / "orig-{pid}.log")],
+                             stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(read_steps(str(tmp / "orig-*.log"))) == 2 and
+                 all(len(v) > 30 for v in read_steps(str(tmp / "orig-*.log")).values()), 120, "warm-up")
+        chief = (tmp / "run" / "chief.address").read_text()
+        t_join = time.time()
+        joiner = subprocess.Popen([sys.executable, "-m", "shoal.cli", "worker", "--chief", chief, DIGITS, *script,
+                                   "--step-log", str(tmp / "join.log")], stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: (tmp / "join.log").exists() and (tmp / "join.log").read_text().strip(), 60, "first step")
+        t_first = float((tmp / "join.log").read_text().split()[0])
+        time.sleep(2.0)
+        pids = json.loads((tmp / "run" / "pids.json").read_text())
+        t_kill = time.time()
+        os.kill(pids["worker1"], signal.SIGKILL)
+        time.sleep(args.lease + 3.0)
+        steps = read_steps(str(tmp / "orig-*.log"))
+        victim_log = str(tmp / f"orig-{pids['worker1']}.log")
+        survivor = next(v for k, v in steps.items() if k != victim_log)
+        join_gap, median = gap_stats(survivor, t_join, t_first + 1.0, t_join)
+        kill_gap, median_k = gap_stats(survivor, t_kill, t_kill + args.lease + 2.0, t_kill)
+        model_mb = (64 * args.hidden + (args.depth - 1) * args.hidden ** 2 + 10 * args.hidden) * 4 / 1e6
+        return {"case": f"elastic-{mode}", "mode": mode, "model_mb": round(model_mb, 1), "lease_s": args.lease,
+                "join_to_first_gradient_s": round(t_first - t_join, 3),
+                "median_step_s": round(median, 4),
+                "join_longest_gap_s": round(join_gap, 4), "join_gap_vs_median": round(join_gap / median, 2),
+                "kill_longest_gap_s": round(kill_gap, 4), "kill_gap_vs_median": round(kill_gap / median_k, 2)}
+    finally:
+        local.send_signal(signal.SIGINT)
+        try:
+            local.wait(30)
+        except subprocess.TimeoutExpired:
+            local.kill()
+        if "joiner" in locals():
+            joiner.kill()
+            joiner.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", nargs="+", default=["async", "sync"])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--lease", type=float, default=1.5)
+    args = p.parse_args()
+    for mode in args.modes:
+        print(json.dumps(run_mode(mode, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
