@@ -97,7 +97,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     job = _job_from(args, args.ps)
     cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
                       num_workers=args.workers, job=job, compression=args.compression or "none",
-                      pull_codec=args.pull_codec or "none", summary=args.summary or "", run_dir=args.run_dir or "")
+                      pull_codec=args.pull_codec or "none", summary=args.summary or "", run_dir=args.run_dir or "",
+                      restart=not args.no_restart, restart_backoff_s=args.restart_backoff)
     return run_local(cfg)
 
 
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--summary", help="write a JSON run summary here when training ends")
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
             p.add_argument("--config", help="YAML file with job settings")
+            p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
+            p.add_argument("--restart-backoff", type=float, default=1.0,
+                           help="seconds before the first restart of a crashed role; doubles each time")
             _job_args(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
         p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))

@@ -54,6 +54,9 @@ class LocalConfig:
     summary: str = ""
     run_dir: str = ""
     startup_timeout_s: float = 60.0
+    restart: bool = True
+    restart_backoff_s: float = 1.0
+    max_restarts: int = 10
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -62,6 +65,8 @@ class LocalConfig:
             raise InvalidArgument(f"--workers must be >= 1, got {self.num_workers}")
         if not Path(self.script).is_file():
             raise InvalidArgument(f"training script {self.script!r} does not exist")
+        if self.restart_backoff_s < 0:
+            raise InvalidArgument(f"--restart-backoff must be >= 0, got {self.restart_backoff_s}")
         if self.job.backup_workers >= self.num_workers and self.job.backup_workers:
             raise InvalidArgument(f"--backup-workers {self.job.backup_workers} must be less than "
                                   f"--workers {self.num_workers}")
@@ -110,11 +115,15 @@ class LocalCluster:
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="shoal-local-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.chief_address = ""
+        self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+        self.restarts: dict[str, int] = {}
+        self._restart_at: dict[str, float] = {}
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         child = Child(name, [sys.executable, "-m", "shoal.cli", *args], env, self.out)
         self.children[name] = child
+        self._launch[name] = (args, extra_env)
         self._write_pids()
         return child
 
@@ -158,11 +167,48 @@ class LocalCluster:
         return [c for n, c in self.children.items() if n.startswith("worker")]
 
     def wait_workers(self) -> dict[str, int]:
+        """Supervises until every worker has finished; restarts crashed roles with backoff."""
+        exits: dict[str, int] = {}
         while True:
-            workers = self.workers()
-            if all(c.proc.poll() is not None for c in workers):
-                return {c.name: c.proc.returncode for c in workers}
-            time.sleep(0.1)
+            now = time.monotonic()
+            for name, child in list(self.children.items()):
+                code = child.proc.poll()
+                if code is None or name in exits:
+                    continue
+                if name.startswith("worker") and code == 0:
+                    exits[name] = 0
+                elif self._should_restart(name):
+                    self._schedule_restart(name, code, now)
+                elif name.startswith("worker"):
+                    exits[name] = code
+            for name, when in list(self._restart_at.items()):
+                if now >= when:
+                    del self._restart_at[name]
+                    self._restart(name)
+            if all(w.name in exits for w in self.workers()) and not any(
+                    n.startswith("worker") for n in self._restart_at):
+                return exits
+            time.sleep(0.05)
+
+    def _should_restart(self, name: str) -> bool:
+        return self.cfg.restart and self.restarts.get(name, 0) < self.cfg.max_restarts
+
+    def _schedule_restart(self, name: str, code: int, now: float) -> None:
+        if name in self._restart_at:
+            return
+        n = self.restarts.get(name, 0)
+        delay = self.cfg.restart_backoff_s * (2 ** n)
+        log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code, delay,
+                    n + 1, self.cfg.max_restarts)
+        self._restart_at[name] = now + delay
+
+    def _restart(self, name: str) -> None:
+        args, env = self._launch[name]
+        if name == "chief":            # same port: every member still knows the old address
+            port = self.chief_address.rsplit(":", 1)[1]
+            args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self._spawn(name, args, env)
 
     def job_stats(self) -> pb.JobStats | None:
         channel = open_channel(self.chief_address)
@@ -221,6 +267,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
         summary["exactly_once"] = exactly_once(shards)
         summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in shards["shards"]}
+    summary["restarts"] = dict(cluster.restarts)
     if cfg.summary:
         path = Path(cfg.summary)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.system
 ], ids=["sync", "async", "ssp", "sync-backup"])
 def test_random_joins_and_kills_keep_exactly_once(tmp_path, mode, extra):
     rng = random.Random(f"{mode}{extra}")
-    proc = start_local(tmp_path, "--ps", "2", "--workers", "3", "--mode", mode, "--lease-seconds", "1.5", *extra)
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "3", "--mode", mode, "--lease-seconds", "1.5", "--no-restart", *extra)
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists(), timeout_s=60, what="the chief")
     # 645 batches in all; three events at random points of the first two thirds
     marks = sorted(rng.sample(range(40, 420), 3))

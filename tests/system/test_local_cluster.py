@@ -26,7 +26,8 @@ def test_digits_reaches_the_accuracy_bar(tmp_path, mode):
 
 
 def test_sigkill_of_a_worker_in_sync_mode_does_not_stop_training(tmp_path):
-    proc = start_local(tmp_path, "--ps", "2", "--workers", "3", "--mode", "sync", "--lease-seconds", "1.5")
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "3", "--mode", "sync", "--lease-seconds", "1.5",
+                       "--no-restart")
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 60,
                timeout_s=90, what="training to be under way")
     victim = pids(tmp_path)["worker1"]
@@ -37,6 +38,20 @@ def test_sigkill_of_a_worker_in_sync_mode_does_not_stop_training(tmp_path):
     assert summary["tasks_done"] == summary["tasks_total"]
     assert summary["test_accuracy"] >= 0.95, summary
     assert "expired" in (tmp_path / "local.log").read_text()
+
+
+def test_a_killed_worker_is_restarted_and_rejoins(tmp_path):
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "async", "--restart-backoff", "0.2")
+    wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 80,
+               timeout_s=90, what="training to be under way")
+    victim = pids(tmp_path)["worker0"]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: pids(tmp_path)["worker0"] != victim, timeout_s=30, what="the restart")
+    summary = finish(proc, tmp_path)
+    assert summary["restarts"] == {"worker0": 1}
+    assert summary["worker_exit_codes"] == {"worker0": 0, "worker1": 0}
+    assert summary["exactly_once"] and summary["test_accuracy"] >= 0.95
+    assert "worker0 exited with -9; restarting it in 0.2s" in (tmp_path / "local.log").read_text()
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
