@@ -11,7 +11,15 @@ class GradientEncoder:
     """Encodes gradient chunks with the job's codec; ``none`` sends raw fp32."""
 
     def __init__(self, name: str = "none"):
+        """``name`` is a codec tag (``bf16``, ``sign+lz4``), optionally ``topk:RATIO`` (e.g. ``topk:0.05``)."""
         self.name = name
+        name, _, ratio = name.partition(":")
+        options: dict[str, float] = {}
+        if ratio:
+            try:
+                options["ratio"] = float(ratio)
+            except ValueError:
+                raise InvalidArgument(f"compression {self.name!r}: {ratio!r} is not a number") from None
         if name == "none":
             self._compressor = None
             self.tag = "none"
@@ -19,7 +27,7 @@ class GradientEncoder:
             from shoal import codecs
 
             try:
-                self._compressor = codecs.compressor_from_tag(name)
+                self._compressor = codecs.compressor_from_tag(name, **options)
             except codecs.CodecError as exc:
                 raise InvalidArgument(str(exc)) from exc
             self.tag = self._compressor.tag
