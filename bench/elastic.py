@@ -1,7 +1,8 @@
 """Elasticity: a worker joining a running job, and a worker SIGKILLed in one.
 
-Reports the time from starting a new worker process to its first accepted
-gradient (first finished step), and the longest gap between the other
+Reports the time from a new worker's join (its Trainer starting) to its first
+accepted gradient (first finished step), the process start-up before that
+(interpreter, torch and scikit-learn imports, data), and the longest gap between the other
 workers' steps during the join and during the kill, against their median
 step time before the event. Prints one JSON object per mode.
 
@@ -29,7 +30,7 @@ def read_steps(pattern: str) -> dict[str, list[float]]:
     out = {}
     for path in glob.glob(pattern):
         with open(path) as f:
-            out[path] = [float(x) for x in f.read().split()]
+            out[path] = [float(x) for x in f.read().splitlines() if x and not x.startswith("#")]
     return out
 
 
@@ -68,7 +69,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         joiner = subprocess.Popen([sys.executable, "-m", "shoal.cli", "worker", "--chief", chief, DIGITS, *script,
                                    "--step-log", str(tmp / "join.log")], stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: (tmp / "join.log").exists() and (tmp / "join.log").read_text().strip(), 60, "first step")
-        t_first = float((tmp / "join.log").read_text().split()[0])
+        wait_for(lambda: len(read_steps(str(tmp / "join.log")).get(str(tmp / "join.log"), [])) > 0, 60, "first step")
+        lines = (tmp / "join.log").read_text().splitlines()
+        t_trainer = float(next(x for x in lines if x.startswith("# trainer")).split()[2])
+        t_first = float(next(x for x in lines if not x.startswith("#")))
         time.sleep(2.0)
         pids = json.loads((tmp / "run" / "pids.json").read_text())
         t_kill = time.time()
@@ -77,13 +81,17 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         steps = read_steps(str(tmp / "orig-*.log"))
         victim_log = str(tmp / f"orig-{pids['worker1']}.log")
         survivor = next(v for k, v in steps.items() if k != victim_log)
-        join_gap, median = gap_stats(survivor, t_join, t_first + 1.0, t_join)
+        join_gap, median = gap_stats(survivor, t_trainer, t_first + 1.0, t_join)
+        startup_gap, _ = gap_stats(survivor, t_join, t_trainer, t_join)
         kill_gap, median_k = gap_stats(survivor, t_kill, t_kill + args.lease + 2.0, t_kill)
         model_mb = (64 * args.hidden + (args.depth - 1) * args.hidden ** 2 + 10 * args.hidden) * 4 / 1e6
         return {"case": f"elastic-{mode}", "mode": mode, "model_mb": round(model_mb, 1), "lease_s": args.lease,
-                "join_to_first_gradient_s": round(t_first - t_join, 3),
+                "process_start_to_first_gradient_s": round(t_first - t_join, 3),
+                "imports_and_data_s": round(t_trainer - t_join, 3),
+                "join_to_first_gradient_s": round(t_first - t_trainer, 3),
                 "median_step_s": round(median, 4),
                 "join_longest_gap_s": round(join_gap, 4), "join_gap_vs_median": round(join_gap / median, 2),
+                "startup_gap_vs_median": round(startup_gap / median, 2),
                 "kill_longest_gap_s": round(kill_gap, 4), "kill_gap_vs_median": round(kill_gap / median_k, 2)}
     finally:
         local.send_signal(signal.SIGINT)

@@ -13,8 +13,8 @@ again (optionally asking for its old id, which it gets back if it has expired).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
-import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -67,7 +67,12 @@ class Membership:
         self.lease_seconds = lease_seconds
         self._clock = clock
         self._members: dict[str, Member] = {}
-        self._ids = {Role.WORKER: itertools.count(), Role.PS: itertools.count()}
+        self._next_id = {Role.WORKER: 0, Role.PS: 0}
+
+    def _new_id(self, role: Role) -> str:
+        n = self._next_id[role]
+        self._next_id[role] = n + 1
+        return f"{role.value}-{n}"
 
     def join(self, role: Role, address: str = "", host: str = "", member_id: str = "") -> Member:
         now = self._clock()
@@ -76,9 +81,9 @@ class Membership:
             old.lease_until = now + self.lease_seconds
             return old
         if not member_id or old is not None and old.role is not role:
-            member_id = f"{role.value}-{next(self._ids[role])}"
+            member_id = self._new_id(role)
             while member_id in self._members:
-                member_id = f"{role.value}-{next(self._ids[role])}"
+                member_id = self._new_id(role)
         m = Member(member_id, role, address, host, now, now + self.lease_seconds,
                    state=MemberState.IDLE if role is Role.WORKER else MemberState.ALIVE,
                    counters=old.counters if old is not None else Counters())
@@ -122,6 +127,9 @@ class Membership:
             raise NotFound(f"unknown member {member_id!r}")
         return m
 
+    def find(self, member_id: str) -> Member | None:
+        return self._members.get(member_id)
+
     def set_busy(self, member_id: str, busy: bool) -> bool:
         """ALIVE <-> IDLE for a live worker; True if the state changed."""
         m = self.get(member_id)
@@ -138,3 +146,31 @@ class Membership:
 
     def all(self, role: Role | None = None) -> Iterable[Member]:
         return [m for m in self._members.values() if role is None or m.role is role]
+
+    # ------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict:
+        """JSON-able state. Clock values are stored relative to now (the clock may not survive a restart)."""
+        now = self._clock()
+        return {
+            "lease_seconds": self.lease_seconds,
+            "next_id": {r.value: n for r, n in self._next_id.items()},
+            "members": [{"member_id": m.member_id, "role": m.role.value, "address": m.address, "host": m.host,
+                         "joined_ago": now - m.joined_at, "lease_left": m.lease_until - now,
+                         "state": m.state.value, "counters": dataclasses.asdict(m.counters)}
+                        for m in self._members.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, clock: Callable[[], float], fresh_leases: bool = False) -> "Membership":
+        """Inverse of :meth:`to_dict`; ``fresh_leases`` grants every live member a full lease from now."""
+        ms = cls(float(d["lease_seconds"]), clock)
+        now = clock()
+        ms._next_id = {Role(r): int(n) for r, n in d["next_id"].items()}
+        for e in d["members"]:
+            m = Member(e["member_id"], Role(e["role"]), e["address"], e["host"], now - float(e["joined_ago"]),
+                       now + float(e["lease_left"]), MemberState(e["state"]), Counters(**e["counters"]))
+            if fresh_leases and m.live:
+                m.lease_until = now + ms.lease_seconds
+            ms._members[m.member_id] = m
+        return ms

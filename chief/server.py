@@ -1,10 +1,15 @@
-"""Runs the chief: gRPC server, lease ticker, graceful stop."""
+"""Runs the chief: gRPC server, lease ticker, graceful stop, recovery from its journal."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 
+from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
+from shoal.chief.journal import Journal, JournalError
+from shoal.chief.membership import Role
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
 from shoal.config import JobConfig
@@ -17,10 +22,25 @@ SERVICE = "shoal.Chief"
 
 
 class ChiefServer:
-    def __init__(self, job: JobConfig, bind: str = "127.0.0.1:0", tick_s: float = 0.2):
-        self.job = job
-        self.state = ChiefState(job, time.monotonic)
-        self.servicer = ChiefServicer(self.state)
+    """``journal``: a path (or an open :class:`Journal`) to keep the state in; a chief started on
+    an existing journal carries on from it (``fresh=True`` moves it aside and starts over).
+    ``checkpoint``: take checkpoints, and resume a new job from the newest (chief/checkpointer.py)."""
+
+    def __init__(self, job: JobConfig, bind: str = "127.0.0.1:0", tick_s: float = 0.2,
+                 journal: "str | os.PathLike | Journal | None" = None, fresh: bool = False,
+                 checkpoint: CheckpointConfig | None = None):
+        self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
+        saved = self.journal.load() if self.journal is not None else None
+        self.recovered = saved is not None
+        self.state = self._recover(saved, job) if saved is not None else ChiefState(job, time.monotonic)
+        self.job = self.state.job
+        self.servicer = ChiefServicer(self.state, self.journal)
+        self.checkpointer: Checkpointer | None = None
+        if checkpoint is not None:
+            resume(self.state, checkpoint, recovered=self.recovered)
+            self.checkpointer = Checkpointer(self.state, self.servicer.lock, checkpoint)
+        self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
+        self._closed = False
         self.server, self.port, self._health = create_server(bind)
         pb_grpc.add_ChiefServicer_to_server(self.servicer, self.server)
         self._tick_s = tick_s
@@ -29,9 +49,31 @@ class ChiefServer:
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.address = f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{self.port}"
 
+    def _recover(self, saved: dict, job: JobConfig) -> ChiefState:
+        assert self.journal is not None
+        try:
+            state = ChiefState.from_dict(saved, time.monotonic, recover=True)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise JournalError(f"chief journal {self.journal.path} holds a state this chief cannot read "
+                               f"({type(exc).__name__}: {exc}); pass --fresh to start the job over") from exc
+        if state.job != job:
+            diff = ", ".join(f"{k} {v!r} (asked {getattr(job, k)!r})" for k, v in dataclasses.asdict(state.job).items()
+                             if getattr(job, k) != v)
+            log.warning("the journal's job settings win over the command line's: %s", diff)
+        live = state.members.alive()
+        log.info("recovered from journal %s: %d live member(s) (%s) with fresh leases, tasks %d/%d done, "
+                 "%d held, view epoch %d", self.journal.path, len(live), ", ".join(m.member_id for m in live),
+                 state.tasks.done_count, state.tasks.total,
+                 sum(len(state.tasks.held_by(m.member_id)) for m in live if m.role is Role.WORKER), state.epoch)
+        return state
+
     def start(self) -> "ChiefServer":
+        if self.journal is not None:    # the recovered epoch, or the new job's secret, is durable before serving
+            self.servicer.save("recovered" if self.recovered else "started")
         self.server.start()
         self._ticker.start()
+        if self.checkpointer is not None:
+            self.checkpointer.start()
         set_serving(self._health, SERVICE, True)
         log.info("chief serving on %s (mode %s, %d shard(s), lease %.1fs)", self.address,
                  self.job.mode, self.job.num_shards, self.job.lease_seconds)
@@ -39,15 +81,30 @@ class ChiefServer:
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
+            if self.servicer.failed is not None:
+                set_serving(self._health, SERVICE, False)
+                self.failed.set()
+                return
             try:
                 self.servicer.tick()
+            except JournalError:
+                pass                # logged by the servicer; the next round stops
             except Exception:  # noqa: BLE001 - keep expiring leases whatever happens
                 log.exception("lease tick failed")
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stop.set()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         set_serving(self._health, SERVICE, False)
         self.server.stop(grace_s).wait()
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=5)
+        if self.journal is not None and not self._closed:
+            self._closed = True
+            if self.servicer.failed is None:
+                self.servicer.flush()
+            self.journal.close()
 
     def wait(self) -> None:
         self.server.wait_for_termination()

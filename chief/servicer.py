@@ -1,14 +1,24 @@
-"""gRPC servicer of the chief: one lock, one state call per RPC, proto in and out."""
+"""gRPC servicer of the chief: one lock, one state call per RPC, proto in and out.
+
+With a journal, every RPC that changed durable state writes the state before
+it replies, still inside the lock (heartbeat-only changes are batched: at most
+one write per ``heartbeat_flush_s``). A write that fails leaves the chief
+``failed``: it answers Unavailable from then on and its server stops, so it
+restarts from the journal instead of running on with state it cannot keep.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from typing import Iterator
 
+from shoal.chief.journal import Journal, JournalError
 from shoal.chief.membership import Role
 from shoal.chief.state import ChiefState
 from shoal import convert
-from shoal.errors import InvalidArgument
+from shoal.errors import InvalidArgument, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors
@@ -19,24 +29,74 @@ MAX_VIEW_WAIT_S = 30.0
 
 
 class ChiefServicer(pb_grpc.ChiefServicer):
-    def __init__(self, state: ChiefState):
+    def __init__(self, state: ChiefState, journal: Journal | None = None, heartbeat_flush_s: float = 0.2):
         self.state = state
+        self.journal = journal
+        self.heartbeat_flush_s = heartbeat_flush_s
+        self.failed: JournalError | None = None
+        self._dirty = False
+        self._last_write = float("-inf")
         self._cond = threading.Condition()
 
-    def tick(self) -> None:
-        """Called periodically: expires leases and wakes view watchers on change."""
+    @property
+    def lock(self) -> threading.Condition:
+        """The lock every RPC holds; in-process helpers (chief/checkpointer.py) take it to read the state."""
+        return self._cond
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
         with self._cond:
+            if self.failed is not None:
+                raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
+            yield
+
+    def _save(self, event: str) -> None:
+        """Journals the state (lock held), before the reply that reveals the change."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.write(self.state.to_dict(), event)
+        except JournalError as exc:
+            self.failed = exc
+            log.critical("%s; the chief stops", exc)
+            raise
+        self._dirty = False
+        self._last_write = time.monotonic()
+
+    def _touch(self) -> None:
+        """A heartbeat changed counters or task progress: journal it, at most every heartbeat_flush_s."""
+        self._dirty = True
+        if time.monotonic() - self._last_write >= self.heartbeat_flush_s:
+            self._save("heartbeats")
+
+    def save(self, event: str) -> None:
+        """Journals the state now (e.g. right after a start or a recovery)."""
+        with self._locked():
+            self._save(event)
+
+    def flush(self) -> None:
+        """Journals batched heartbeat changes now (on stop)."""
+        with self._locked():
+            if self._dirty:
+                self._save("heartbeats")
+
+    def tick(self) -> None:
+        """Called periodically: expires leases, wakes view watchers on change, journals batched heartbeats."""
+        with self._locked():
             before = self.state.epoch
-            self.state.tick()
+            gone = self.state.tick()
             if self.state.epoch != before:
+                self._save("expired " + ", ".join(m.member_id for m in gone))
                 self._cond.notify_all()
+            elif self._dirty and time.monotonic() - self._last_write >= self.heartbeat_flush_s:
+                self._save("heartbeats")
 
     def _view(self) -> pb.ClusterView:
         return convert.view_to_pb(self.state.view())
 
     @grpc_errors
     def Join(self, request, context):
-        with self._cond:
+        with self._locked():
             if request.role == pb.WORKER:
                 m = self.state.join_worker(convert.layout_from_pb(request.layout), request.host, request.member_id)
                 shard = -1
@@ -46,45 +106,60 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 m, shard = self.state.join_ps(request.address, request.host, request.member_id)
             else:
                 raise InvalidArgument(f"unknown role {request.role}")
+            self._save(f"join {m.member_id}" + (f" (shard {shard})" if request.role == pb.PS else ""))
             self._cond.notify_all()
+            ckpts = self.state.checkpoints
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
                                 view=self._view(), shard=shard,
-                                job_secret=self.state.secret if request.role == pb.PS else b"")
+                                job_secret=self.state.secret if request.role == pb.PS else b"",
+                                restore_checkpoint=ckpts.restore_path() if ckpts and shard >= 0 else "")
 
     @grpc_errors
     def Heartbeat(self, request, context):
-        with self._cond:
-            known = self.state.heartbeat(request.member_id, convert.counters_from_pb(request.counters),
+        with self._locked():
+            mid = request.member_id
+            m = self.state.members.find(mid)
+            before = (m.counters, self.state.step_seconds.get(mid)) if m is not None else None
+            known = self.state.heartbeat(mid, convert.counters_from_pb(request.counters),
                                          {p.task_id: p.next_start for p in request.progress},
                                          request.step_seconds)
+            if known and (request.progress or before != (m.counters, self.state.step_seconds.get(mid))):
+                self._touch()
             return pb.HeartbeatReply(epoch=self.state.epoch, known=known)
 
     @grpc_errors
     def Leave(self, request, context):
-        with self._cond:
+        with self._locked():
             self.state.leave(request.member_id, convert.counters_from_pb(request.counters))
+            self._save(f"leave {request.member_id}")
             self._cond.notify_all()
             return pb.Empty()
 
     @grpc_errors
     def GetView(self, request, context):
         deadline = time.monotonic() + min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
-        with self._cond:
+        with self._locked():
             while self.state.epoch <= request.after_epoch and context.is_active():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 1.0))
+            if self.failed is not None:     # a view the journal does not hold must not be seen
+                raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
             return self._view()
 
     @grpc_errors
     def GetTasks(self, request, context):
         spec = convert.dataset_from_pb(request.dataset) if request.HasField("dataset") else None
         dropped = tuple((b.epoch, b.start, b.stop) for b in request.dropped)
-        with self._cond:
-            before = self.state.epoch
+        with self._locked():
+            before, configured = self.state.epoch, self.state.tasks.spec is not None
             tasks, finished = self.state.take_tasks(request.member_id, spec, request.max_tasks,
                                                     tuple(request.done_task_ids), dropped)
+            if (tasks or request.done_task_ids or dropped or self.state.epoch != before
+                    or configured != (self.state.tasks.spec is not None)):
+                self._save(f"tasks {request.member_id}: got {[t.task_id for t in tasks]}, "
+                           f"done {list(request.done_task_ids)}, dropped {len(dropped)}")
             if self.state.epoch != before:
                 self._cond.notify_all()
             return pb.TaskReply(tasks=[convert.task_to_pb(t, self.state.sign(request.member_id, t)) for t in tasks],
@@ -92,8 +167,9 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def ReportMetrics(self, request, context):
-        with self._cond:
+        with self._locked():
             self.state.report(request.member_id, dict(request.values))
+            self._save(f"metrics from {request.member_id}: {', '.join(sorted(request.values))}")
             return pb.Empty()
 
     @grpc_errors
@@ -107,4 +183,5 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                job=convert.job_to_pb(s.job), queue_depth=s.tasks.depth,
                                completed_epochs=s.tasks.completed_epochs,
                                epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
-                               batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0)
+                               batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
+                               **(s.checkpoints.stats() if s.checkpoints is not None else {}))

@@ -6,6 +6,7 @@ cluster view shows bumps ``epoch``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ from shoal import tokens
 from shoal.chief.membership import Counters, Member, Membership, MemberState, Role
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
-from shoal.errors import FailedPrecondition, NotFound
-from shoal.layout import ModelLayout
+from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
+from shoal.layout import ModelLayout, TensorSpec
 
 log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1   # of ChiefState.to_dict; bump on incompatible changes
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ChiefState:
         self.layout: ModelLayout | None = None
         self.routing: dict[int, str] = {}
         self.metrics: dict[str, float] = {}
+        self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
 
     def _changed(self, why: str) -> None:
         self.epoch += 1
@@ -63,6 +67,8 @@ class ChiefState:
 
     def join_worker(self, layout: ModelLayout, host: str = "", member_id: str = "") -> Member:
         if self.layout is None:
+            if self.checkpoints is not None:
+                self.checkpoints.check_layout(layout)   # resuming: the model must match the checkpoint
             self.layout = layout
         elif layout != self.layout:
             raise FailedPrecondition("model layout differs from the job's: " + "; ".join(self.layout.diff(layout)))
@@ -172,3 +178,45 @@ class ChiefState:
             out.bytes_pushed += m.counters.bytes_pushed
             out.bytes_pulled += m.counters.bytes_pulled
         return out
+
+    # ------------------------------------------------------------ persistence (chief/journal.py)
+
+    def to_dict(self) -> dict:
+        """The whole state as JSON-able values; :meth:`from_dict` rebuilds it."""
+        return {
+            "format": STATE_FORMAT,
+            "job": dataclasses.asdict(self.job),
+            "epoch": self.epoch,
+            "secret": self.secret.hex(),
+            "straggler_factor": self.straggler_factor,
+            "step_seconds": dict(self.step_seconds),
+            "layout": None if self.layout is None else [[t.name, list(t.shape), t.dtype] for t in self.layout.specs],
+            "routing": [[k, mid] for k, mid in sorted(self.routing.items())],
+            "metrics": dict(self.metrics),
+            "members": self.members.to_dict(),
+            "tasks": self.tasks.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, clock: Callable[[], float], recover: bool = False) -> "ChiefState":
+        """Inverse of :meth:`to_dict`.
+
+        ``recover`` is for a restarted chief: every live member gets a full lease
+        from now (it could not heartbeat while the chief was down) and the view
+        epoch moves past every epoch a client may have seen, so all refresh.
+        """
+        if d.get("format") != STATE_FORMAT:
+            raise InvalidArgument(f"chief state has format {d.get('format')!r}, this chief reads {STATE_FORMAT}")
+        s = cls(JobConfig(**d["job"]), clock, secret=bytes.fromhex(d["secret"]),
+                straggler_factor=float(d["straggler_factor"]))
+        s.epoch = int(d["epoch"])
+        s.step_seconds = {k: float(v) for k, v in d["step_seconds"].items()}
+        if d["layout"] is not None:
+            s.layout = ModelLayout(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in d["layout"])
+        s.routing = {int(k): mid for k, mid in d["routing"]}
+        s.metrics = {k: float(v) for k, v in d["metrics"].items()}
+        s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
+        s.tasks = TaskQueue.from_dict(d["tasks"])
+        if recover:
+            s._changed("recovered from the journal")
+        return s

@@ -190,3 +190,40 @@ class TaskQueue:
 
     def held_by(self, member: str) -> list[Task]:
         return [t for m, t in self._doing.values() if m == member]
+
+    # ------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict:
+        """Every field as JSON-able values (int keys become ``[key, value]`` pairs); see :meth:`from_dict`."""
+        def task(t: Task) -> list[int]:
+            return [t.task_id, t.epoch, t.start, t.stop, t.attempt]
+
+        return {
+            "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
+            "todo": [task(t) for t in self._todo],
+            "doing": [[m, task(t)] for m, t in self._doing.values()],
+            "progress": [[k, v] for k, v in sorted(self._progress.items())],
+            "done": sorted(self._done),
+            "attempts": [[k, v] for k, v in sorted(self._attempts.items())],
+            "open_per_epoch": [[k, v] for k, v in sorted(self._open_per_epoch.items())],
+            "next_epoch": self._next_epoch,
+            "tasks_per_epoch": self._tasks_per_epoch,
+            "next_extra": self._next_extra,
+            "extra": self._extra,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TaskQueue":
+        q = cls()
+        q.spec = DatasetSpec(**d["spec"]) if d["spec"] is not None else None
+        q._todo = collections.deque(Task(*t) for t in d["todo"])
+        q._doing = {t[0]: (m, Task(*t)) for m, t in d["doing"]}
+        q._progress = {int(k): int(v) for k, v in d["progress"]}
+        q._done = {int(k) for k in d["done"]}
+        q._attempts = collections.Counter({int(k): int(v) for k, v in d["attempts"]})
+        q._open_per_epoch = collections.Counter({int(k): int(v) for k, v in d["open_per_epoch"]})
+        q._next_epoch = int(d["next_epoch"])
+        q._tasks_per_epoch = int(d["tasks_per_epoch"])
+        q._next_extra = int(d["next_extra"])
+        q._extra = int(d["extra"])
+        return q

@@ -67,6 +67,8 @@ def main() -> None:
     started = time.monotonic()
 
     model = build_model(args.hidden, args.depth)
+    if step_log:
+        step_log.write(f"# trainer {time.time():.6f}\n")   # when this worker starts joining
     trainer = Trainer(model, optimizer="adam", lr=args.lr, compression=args.compression)
     for step, (xb, yb) in enumerate(trainer.batches((xtr, ytr), batch_size=args.batch_size,
                                                      epochs=args.epochs, seed=args.seed)):

@@ -125,18 +125,20 @@ class ClusterView(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("member_id", "lease_seconds", "view", "shard", "job_secret")
+    __slots__ = ("member_id", "lease_seconds", "view", "shard", "job_secret", "restore_checkpoint")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_seconds: float
     view: ClusterView
     shard: int
     job_secret: bytes
-    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., job_secret: _Optional[bytes] = ...) -> None: ...
+    restore_checkpoint: str
+    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., job_secret: _Optional[bytes] = ..., restore_checkpoint: _Optional[str] = ...) -> None: ...
 
 class TaskProgress(_message.Message):
     __slots__ = ("task_id", "next_start")
@@ -262,7 +264,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +283,10 @@ class JobStats(_message.Message):
     COMPLETED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -292,7 +298,11 @@ class JobStats(_message.Message):
     completed_epochs: int
     epochs: int
     batches_per_epoch: int
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ...) -> None: ...
+    restored_from: str
+    restored_step: int
+    checkpoint_step: int
+    checkpoints_written: int
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "hparams")
@@ -459,3 +469,71 @@ class LedgerEpoch(_message.Message):
     applied: int
     max_count: int
     def __init__(self, epoch: _Optional[int] = ..., applied: _Optional[int] = ..., max_count: _Optional[int] = ...) -> None: ...
+
+class FreezeRequest(_message.Message):
+    __slots__ = ("shard", "target_version", "timeout_seconds", "hold_seconds")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    target_version: int
+    timeout_seconds: float
+    hold_seconds: float
+    def __init__(self, shard: _Optional[int] = ..., target_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
+
+class FreezeReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class WriteShardRequest(_message.Message):
+    __slots__ = ("shard", "directory", "version", "start", "stop", "layout_fingerprint", "thaw")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    THAW_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    directory: str
+    version: int
+    start: int
+    stop: int
+    layout_fingerprint: str
+    thaw: bool
+    def __init__(self, shard: _Optional[int] = ..., directory: _Optional[str] = ..., version: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., thaw: _Optional[bool] = ...) -> None: ...
+
+class WriteShardReply(_message.Message):
+    __slots__ = ("shard", "start", "stop", "file", "sha256", "bytes", "version", "frozen_seconds")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    start: int
+    stop: int
+    file: str
+    sha256: str
+    bytes: int
+    version: int
+    frozen_seconds: float
+    def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., file: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., version: _Optional[int] = ..., frozen_seconds: _Optional[float] = ...) -> None: ...
+
+class ThawRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    def __init__(self, shard: _Optional[int] = ...) -> None: ...
+
+class ThawReply(_message.Message):
+    __slots__ = ("frozen_seconds",)
+    FROZEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    frozen_seconds: float
+    def __init__(self, frozen_seconds: _Optional[float] = ...) -> None: ...

@@ -425,3 +425,161 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ShardControlStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Freeze = channel.unary_unary(
+                '/shoal.ShardControl/Freeze',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.FreezeRequest.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.FreezeReply.FromString,
+                _registered_method=True)
+        self.WriteShard = channel.unary_unary(
+                '/shoal.ShardControl/WriteShard',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.WriteShardRequest.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.WriteShardReply.FromString,
+                _registered_method=True)
+        self.Thaw = channel.unary_unary(
+                '/shoal.ShardControl/Thaw',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.ThawRequest.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.ThawReply.FromString,
+                _registered_method=True)
+
+
+class ShardControlServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Freeze(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Thaw(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Freeze': grpc.unary_unary_rpc_method_handler(
+                    servicer.Freeze,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.FreezeRequest.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.FreezeReply.SerializeToString,
+            ),
+            'WriteShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteShard,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.WriteShardRequest.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.WriteShardReply.SerializeToString,
+            ),
+            'Thaw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Thaw,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.ThawRequest.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.ThawReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shoal.ShardControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shoal.ShardControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ShardControl:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Freeze(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.ShardControl/Freeze',
+            shoal_dot_proto_dot_shoal__pb2.FreezeRequest.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.FreezeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.ShardControl/WriteShard',
+            shoal_dot_proto_dot_shoal__pb2.WriteShardRequest.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.WriteShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Thaw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.ShardControl/Thaw',
+            shoal_dot_proto_dot_shoal__pb2.ThawRequest.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.ThawReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import socket
 
+from shoal.ps.checkpoint_servicer import ShardControlServicer, restore_shard
 from shoal.ps.optim import warm_up
 from shoal.ps.servicer import DataServicer, ShardHost, StatusServicer
 from shoal import convert
@@ -23,6 +24,7 @@ class PSServer:
         self.server, self.port, self._health = create_server(bind)
         self.server.add_generic_rpc_handlers((DataServicer(self.host).handler(),))
         pb_grpc.add_ParameterServerServicer_to_server(StatusServicer(self.host), self.server)
+        pb_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.host), self.server)
         bind_host = bind.rsplit(":", 1)[0].strip("[]")
         if not advertise:
             advertise = bind_host if bind_host not in ("", "0.0.0.0", "::") else socket.gethostname()
@@ -38,9 +40,16 @@ class PSServer:
         if reply.shard < 0:
             log.warning("chief has no free shard for %s; serving nothing until one is assigned", self.address)
         else:
-            self.host.assign(reply.shard, job)
+            self.host.assign(reply.shard, job, restoring=bool(reply.restore_checkpoint))
         self.chief.on_view(self._on_view)
         self.chief.start_background()
+        if reply.shard >= 0 and reply.restore_checkpoint:   # heartbeats run meanwhile; Inits wait for it
+            try:
+                restore_shard(self.host, reply.shard, reply.restore_checkpoint, job)
+            except Exception:
+                log.error("cannot restore shard %d from %s; stopping", reply.shard, reply.restore_checkpoint)
+                self.stop(grace_s=0.5)
+                raise
         set_serving(self._health, SERVICE, True)
         log.info("ps %s serving shard %d on %s", self.chief.member_id, reply.shard, self.address)
         return self

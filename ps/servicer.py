@@ -39,11 +39,24 @@ class ShardHost:
         self.completed_epochs = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self._restoring: set[int] = set()             # shards being loaded from a checkpoint
+        self._restored = threading.Condition(self._lock)
 
-    def assign(self, shard: int, job: JobConfig) -> None:
+    def assign(self, shard: int, job: JobConfig, restoring: bool = False) -> None:
+        """``restoring``: the shard is loaded from a checkpoint next; an Init waits for it (see :meth:`install`)."""
         with self._lock:
             self.job = job
             self.assigned.add(shard)
+            if restoring:
+                self._restoring.add(shard)
+
+    def install(self, s: Shard) -> None:
+        """Puts a shard restored from a checkpoint in place and wakes the Inits that waited for it."""
+        with self._lock:
+            s.set_live_workers(self.live_workers)
+            self.shards[s.shard_id] = s
+            self._restoring.discard(s.shard_id)
+            self._restored.notify_all()
 
     def get(self, shard: int) -> Shard:
         s = self.shards.get(shard)
@@ -53,8 +66,11 @@ class ShardHost:
             raise NotFound(f"this parameter server does not hold shard {shard} (holds {sorted(self.assigned)})")
         return s
 
-    def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str) -> tuple[Shard, bool]:
+    def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str,
+               restore_wait_s: float = 300.0) -> tuple[Shard, bool]:
         with self._lock:
+            if not self._restored.wait_for(lambda: shard not in self._restoring, timeout=restore_wait_s):
+                raise Unavailable(f"shard {shard} is still being restored from a checkpoint")
             existing = self.shards.get(shard)
             if existing is not None:
                 if existing.fingerprint != fingerprint:
@@ -87,7 +103,7 @@ class ShardHost:
 class DataServicer:
     """Raw-framed Init / Push / Pull (identity serializers: requests and replies are bytes)."""
 
-    def __init__(self, host: ShardHost, pull_chunk_bytes: int = 8 << 20):
+    def __init__(self, host: ShardHost, pull_chunk_bytes: int = 1 << 20):
         self.host = host
         self.pull_chunk_bytes = pull_chunk_bytes
 
@@ -96,6 +112,8 @@ class DataServicer:
             "Init": grpc.stream_unary_rpc_method_handler(self.Init),
             "Push": grpc.stream_unary_rpc_method_handler(self.Push),
             "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),
+            "PushOne": grpc.unary_unary_rpc_method_handler(self.PushOne),
+            "PullOne": grpc.unary_unary_rpc_method_handler(self.PullOne),
         })
 
     @grpc_errors
@@ -126,7 +144,7 @@ class DataServicer:
 
     @grpc_errors
     def Push(self, request_iterator: Iterator[bytes], context) -> bytes:
-        first, shard, grad, covered, nbytes = None, None, None, 0, 0
+        first, shard, grad, covered, nbytes, owned = None, None, None, 0, 0, False
         for frame in request_iterator:
             nbytes += len(frame)
             head, payload = frames.unpack(frame, pb.PushHeader)
@@ -144,9 +162,11 @@ class DataServicer:
             chunk = decode_chunk(head.codec, payload, head.numel)
             if head.offset == 0 and head.numel == shard.numel:
                 grad = chunk          # one chunk covers the shard: use it without a copy
+                owned = head.codec not in ("", "none")   # decoded codecs return fresh tensors
             else:
                 if grad is None:
                     grad = torch.empty(shard.numel, dtype=torch.float32)
+                    owned = True
                 grad[head.offset:head.offset + head.numel] = chunk
             covered += head.numel
         if first is None:
@@ -154,7 +174,7 @@ class DataServicer:
         if covered != shard.numel:
             raise InvalidArgument(f"push covers {covered} of shard {first.shard}'s {shard.numel} elements")
         self.host.count(inbound=nbytes)
-        r = shard.push(first.worker_id, first.version, grad, first.key, self._batch_of(first))
+        r = shard.push(first.worker_id, first.version, grad, first.key, self._batch_of(first), owned=owned)
         return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason,
                             duplicate=r.duplicate).SerializeToString()
 
@@ -174,21 +194,47 @@ class DataServicer:
                                      f"{self.host.completed_epochs} epoch(s))")
         return BatchKey(head.data_epoch, head.batch_start)
 
+    def PushOne(self, request: bytes, context) -> bytes:
+        """Unary Push of a single frame: several times cheaper per call than a stream in gRPC Python."""
+        return self.Push(iter((request,)), context)
+
     @grpc_errors
     def Pull(self, request: bytes, context) -> Iterator[bytes]:
+        return iter(self._pull_frames(request, self.pull_chunk_bytes))
+
+    @grpc_errors
+    def PullOne(self, request: bytes, context) -> bytes:
+        """Unary Pull: the whole shard in one frame, built once per version (one copy of the weights)."""
+        req, shard = self._pull_ready(request)
+        codec = req.codec or "none"
+
+        def build(version: int, raw: memoryview) -> bytes:
+            head = pb.PullHeader(shard=req.shard, version=version, offset=0, numel=shard.numel, codec=codec,
+                                 shard_numel=shard.numel)
+            return frames.pack(head, raw)
+
+        _, frame = shard.snapshot(codec, build)
+        self.host.count(outbound=len(frame))
+        return frame
+
+    def _pull_ready(self, request: bytes) -> tuple[pb.PullRequest, Shard]:
         req = pb.PullRequest.FromString(request)
         shard = self.host.get(req.shard)
         if req.layout_fingerprint and req.layout_fingerprint != shard.fingerprint:
             raise FailedPrecondition(f"pull for layout {req.layout_fingerprint}; shard holds {shard.fingerprint}")
         if req.min_version > shard.version:
             shard.wait_version(req.min_version, req.timeout_seconds or 30.0)
+        return req, shard
+
+    def _pull_frames(self, request: bytes, chunk_bytes: int) -> list[bytes]:
+        req, shard = self._pull_ready(request)
         codec = req.codec or "none"
         version, raw = shard.snapshot(codec)
-        out = list(iter_chunks(raw, codec, self.pull_chunk_bytes,
+        out = list(iter_chunks(raw, codec, chunk_bytes,
                                lambda off, n: pb.PullHeader(shard=req.shard, version=version, offset=off,
                                                             numel=n, codec=codec, shard_numel=shard.numel)))
         self.host.count(outbound=sum(len(f) for f in out))
-        return iter(out)
+        return out
 
 
 class StatusServicer(pb_grpc.ParameterServerServicer):

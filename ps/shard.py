@@ -1,11 +1,15 @@
 """One parameter shard: a flat fp32 slice, its optimizer, version and open round.
 
 Thread-safe pure state (no sockets): the servicer decodes frames and calls
-:meth:`Shard.push` / :meth:`Shard.snapshot`; tests drive it directly.
+:meth:`Shard.push` / :meth:`Shard.snapshot`; tests drive it directly. For a
+checkpoint, :meth:`Shard.freeze` holds updates at a version, :meth:`Shard.export_state`
+copies everything a restore needs (:meth:`Shard.from_state`) and :meth:`Shard.thaw`
+lets updates go on.
 """
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
 import time
@@ -14,11 +18,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from shoal.ps.consistency import Action, PushContext, Rule
-from shoal.ps.ledger import BatchKey, Ledger
+from shoal.ps.checkpoint_store import ShardState
+from shoal.ps.consistency import Action, Admission, PushContext, Rule
+from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
 from shoal.ps.optim import build_optimizer
 from shoal.config import OptimizerSpec
-from shoal.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class Shard:
         self._live: frozenset[str] = frozenset()
         self._keys: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._snapshots: dict[str, tuple[int, bytes]] = {}
+        self._freeze: tuple[int, float, float] | None = None   # (held at version, thaw-by time, frozen since)
         self.stats = ShardStats()
 
     @property
@@ -76,12 +82,12 @@ class Shard:
     # ------------------------------------------------------------ updates
 
     def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "",
-             batch: BatchKey | None = None, wait_s: float = 30.0) -> PushResult:
+             batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False) -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
         ``batch`` names the data it came from (applied at most once per epoch,
-        whoever pushes it). An ``ssp`` push that is too far ahead waits up to
+        whoever pushes it). ``owned``: the shard may keep and modify ``grad``. An ``ssp`` push that is too far ahead waits up to
         ``wait_s`` and then fails with a retryable ResourceExhausted.
         """
         if grad.shape != (self.numel,):
@@ -97,8 +103,10 @@ class Shard:
                         self.stats.pushes_dropped += 1
                         return PushResult(False, self.version, f"batch {batch.epoch}/{batch.start} was applied "
                                           f"by push {owner}", duplicate=True)
-                verdict = self.rule.admit(PushContext(worker, version, self.version, self._round_workers,
-                                                      self._live, self._clocks))
+                verdict = Admission(Action.WAIT, f"shard {self.shard_id} is frozen at version {self.version} for "
+                                    f"a checkpoint") if self._holding() else \
+                    self.rule.admit(PushContext(worker, version, self.version, self._round_workers,
+                                                self._live, self._clocks))
                 if verdict.action is not Action.WAIT:
                     break
                 left = deadline - self._clock()
@@ -110,7 +118,9 @@ class Shard:
                 log.debug("shard %d drops push of %s: %s", self.shard_id, worker, verdict.reason)
                 return PushResult(False, self.version, verdict.reason)
             if self._round_sum is None:
-                self._round_sum = grad.to(torch.float32, copy=True)
+                # A gradient applied alone (async, ssp) is only read by the optimizer: no copy.
+                alone = self.rule.round_complete({worker}, self._live)
+                self._round_sum = grad if (owned or alone) else grad.to(torch.float32, copy=True)
             else:
                 self._round_sum.add_(grad)
             self._round_workers.add(worker)
@@ -133,7 +143,7 @@ class Shard:
             self._cond.notify_all()
 
     def _maybe_close_round(self) -> None:
-        if not self.rule.round_complete(self._round_workers, self._live):
+        if self._holding() or not self.rule.round_complete(self._round_workers, self._live):
             return
         n = len(self._round_workers)
         assert self._round_sum is not None
@@ -167,23 +177,31 @@ class Shard:
                                        f"after {timeout_s:.1f}s (waiting for {min_version})")
             return self.version
 
-    def snapshot(self, codec: str = "none") -> tuple[int, bytes]:
-        """The current weights as bytes in ``codec`` (none|fp16|bf16), cached per version."""
+    def snapshot(self, codec: str = "none",
+                 build: Callable[[int, memoryview], bytes] | None = None) -> tuple[int, bytes]:
+        """The current weights in ``codec`` (none|fp16|bf16), cached per version.
+
+        ``build(version, raw_view)`` turns the encoded view into what is cached
+        (e.g. one whole frame), so the weights are copied once per version; the
+        view is only valid during the call.
+        """
         with self._cond:
-            cached = self._snapshots.get(codec)
+            key = (codec, build is not None)
+            cached = self._snapshots.get(key)
             if cached is not None and cached[0] == self.version:
                 return cached
             data = self._param.detach()
             if codec == "none":
-                raw = data.numpy().tobytes()
+                view = memoryview(data.numpy()).cast("B")
             elif codec == "fp16":
-                raw = data.to(torch.float16).numpy().tobytes()
+                view = memoryview(data.to(torch.float16).numpy()).cast("B")
             elif codec == "bf16":
-                raw = data.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+                view = memoryview(data.to(torch.bfloat16).view(torch.int16).numpy()).cast("B")
             else:
                 raise InvalidArgument(f"unknown pull codec {codec!r}; known: bf16, fp16, none")
-            self._snapshots[codec] = (self.version, raw)
-            return self.version, raw
+            out = build(self.version, view) if build is not None else bytes(view)
+            self._snapshots[key] = (self.version, out)
+            return self.version, out
 
     def worker_clocks(self) -> dict[str, int]:
         with self._cond:
@@ -197,3 +215,66 @@ class Shard:
         """A copy of the current weights."""
         with self._cond:
             return self._param.detach().clone()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _holding(self) -> bool:
+        """True while a freeze holds updates back at the current version (lock held); ends an expired hold."""
+        if self._freeze is None:
+            return False
+        at, until, _ = self._freeze
+        if self._clock() >= until:
+            log.warning("shard %d: checkpoint freeze at version %d outlived its hold; thawing", self.shard_id, at)
+            self._freeze = None
+            self._cond.notify_all()
+            return False
+        return self.version >= at
+
+    def freeze(self, target: int, timeout_s: float = 10.0, hold_s: float = 60.0) -> int:
+        """Holds updates past ``max(target, version)``; returns once the shard is exactly there.
+
+        Pushes that would advance it wait (as an ssp push does); a round still open
+        stays open. DeadlineExceeded if the version is not reached within ``timeout_s``
+        (the freeze stays: the caller thaws). The hold ends by itself after ``hold_s``.
+        """
+        with self._cond:
+            at = max(target, self.version)
+            since = self._freeze[2] if self._freeze is not None else self._clock()
+            self._freeze = (at, self._clock() + hold_s, since)
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self.version >= at or self._freeze is None, timeout=timeout_s):
+                raise DeadlineExceeded(f"shard {self.shard_id} still at version {self.version} after "
+                                       f"{timeout_s:.1f}s (freezing at {at})")
+            if self._freeze is None:
+                raise FailedPrecondition(f"shard {self.shard_id} was thawed while freezing at version {at}")
+            return self.version
+
+    def thaw(self) -> float:
+        """Ends a freeze; returns how long it held (0.0 if the shard was not frozen)."""
+        with self._cond:
+            if self._freeze is None:
+                return 0.0
+            held = self._clock() - self._freeze[2]
+            self._freeze = None
+            self._maybe_close_round()
+            self._cond.notify_all()
+            return held
+
+    def export_state(self, start: int = 0) -> ShardState:
+        """A copy of everything a restore needs; ``start`` is the shard's offset in the flat model."""
+        with self._cond:
+            return ShardState(self.shard_id, start, start + self.numel, self._param.detach().clone(),
+                              self.optimizer_spec.name, dict(self.optimizer_spec.hparams),
+                              copy.deepcopy(self._opt.state_dict()), self.version,
+                              {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint})
+
+    @classmethod
+    def from_state(cls, state: ShardState, rule: Rule, fingerprint: str,
+                   clock: Callable[[], float] = time.monotonic) -> "Shard":
+        """A shard rebuilt from a checkpoint: weights, optimizer state, version and ledger."""
+        s = cls(state.shard, state.values, OptimizerSpec(state.optimizer, dict(state.hparams)), rule, fingerprint,
+                clock)
+        s._opt.load_state_dict(state.opt_state)
+        s.version = int(state.version)
+        s.ledger = ledger_from_extra(state.extra)
+        return s

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from shoal.config import MODES, JobConfig, from_sources, load_yaml
+from shoal.memory import tune_malloc
 from shoal.errors import InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
@@ -38,8 +39,30 @@ def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards})
 
 
-def _serve_until_signalled(server) -> None:
-    stop = threading.Event()
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-dir", default=os.environ.get("SHOAL_CHECKPOINT_DIR"),
+                   help="take checkpoints here (shared with every ps); a new job resumes from the newest")
+    p.add_argument("--checkpoint-interval", default=os.environ.get("SHOAL_CHECKPOINT_INTERVAL"),
+                   help="model updates (500, the default) or a time (30s, 5m) between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=os.environ.get("SHOAL_KEEP_CHECKPOINTS", "3"),
+                   help="how many complete checkpoints to keep (default 3)")
+
+
+def _checkpoint_from(args: argparse.Namespace):
+    """The validated checkpoint settings, or None without --checkpoint-dir."""
+    from shoal.chief.checkpointer import CheckpointConfig, Interval
+
+    if not args.checkpoint_dir:
+        if args.checkpoint_interval:
+            raise InvalidArgument(f"--checkpoint-interval {args.checkpoint_interval!r} needs --checkpoint-dir")
+        return None
+    return CheckpointConfig(str(Path(args.checkpoint_dir).resolve()), Interval.parse(args.checkpoint_interval or "500"),
+                            args.keep_checkpoints)
+
+
+def _serve_until_signalled(server, stop: threading.Event | None = None) -> None:
+    """Serves until SIGTERM/SIGINT, or until ``stop`` is set by the server itself."""
+    stop = stop or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
@@ -58,9 +81,13 @@ def cmd_chief(args: argparse.Namespace) -> int:
     from shoal.chief.server import ChiefServer
 
     job = _job_from(args, args.num_shards)
-    server = ChiefServer(job, bind=args.bind).start()
+    server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
+                         checkpoint=_checkpoint_from(args)).start()
     _write_port(args.port_file, server.port)
-    _serve_until_signalled(server)
+    _serve_until_signalled(server, server.failed)
+    if server.servicer.failed is not None:
+        print(f"shoal chief: error: {server.servicer.failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -95,11 +122,25 @@ def cmd_local(args: argparse.Namespace) -> int:
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
     job = _job_from(args, args.ps)
+    ckpt = _checkpoint_from(args)
     cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
                       num_workers=args.workers, job=job, compression=args.compression or "none",
                       pull_codec=args.pull_codec or "none", summary=args.summary or "", run_dir=args.run_dir or "",
-                      restart=not args.no_restart, restart_backoff_s=args.restart_backoff)
+                      restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
+                      checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
+                      keep_checkpoints=args.keep_checkpoints)
     return run_local(cfg)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from shoal.ps.checkpoint import export_to_file
+
+    try:
+        out = export_to_file(args.checkpoint, args.out)
+    except OSError as exc:
+        raise ShoalError(f"cannot export {args.checkpoint} to {args.out}: {exc}") from exc
+    print(f"wrote {out}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -124,8 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--config", help="YAML file with job settings (mode, staleness, ...)")
+    p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
+                   help="SQLite file to keep the chief's state in; a restarted chief carries on from it")
+    p.add_argument("--fresh", action="store_true", help="move an existing --journal aside and start the job over")
     _job_args(p)
+    _checkpoint_args(p)
     p.set_defaults(func=cmd_chief)
+
+    p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
+    p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
+    p.add_argument("out", help="output file, e.g. model.pt")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("status", help="print the job at a glance")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
@@ -156,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--restart-backoff", type=float, default=1.0,
                            help="seconds before the first restart of a crashed role; doubles each time")
             _job_args(p)
+            _checkpoint_args(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
         p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))
         p.add_argument("script")
@@ -167,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
+    tune_malloc()
     try:
         return args.func(args)
     except ShoalError as exc:

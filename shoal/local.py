@@ -57,6 +57,9 @@ class LocalConfig:
     restart: bool = True
     restart_backoff_s: float = 1.0
     max_restarts: int = 10
+    checkpoint_dir: str = ""          # passed to the chief with the two settings below
+    checkpoint_interval: str = ""
+    keep_checkpoints: int = 3
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -149,13 +152,29 @@ class LocalCluster:
                                       "--mode", job.mode, "--num-shards", str(self.cfg.num_ps),
                                       "--backup-workers", str(job.backup_workers),
                                       "--staleness", str(job.staleness),
-                                      "--lease-seconds", str(job.lease_seconds)])
+                                      "--lease-seconds", str(job.lease_seconds),
+                                      "--journal", str(self._new_journal()), *self._checkpoint_args()])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)
         for k in range(self.cfg.num_ps):
             self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", "127.0.0.1:0"])
         for k in range(self.cfg.num_workers):
             self.start_worker(f"worker{k}")
+
+    def _checkpoint_args(self) -> list[str]:
+        c = self.cfg
+        if not c.checkpoint_dir:
+            return []
+        return ["--checkpoint-dir", c.checkpoint_dir, "--keep-checkpoints", str(c.keep_checkpoints),
+                *(["--checkpoint-interval", c.checkpoint_interval] if c.checkpoint_interval else [])]
+
+    def _new_journal(self) -> Path:
+        """``<run-dir>/chief.db``: a restarted chief (same arguments) carries on from it. A journal left
+        by an earlier run in the same run dir belongs to another job, so it is removed first."""
+        path = self.run_dir / "chief.db"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return path
 
     def start_worker(self, name: str) -> Child:
         index = name.removeprefix("worker")
@@ -288,4 +307,8 @@ def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats
                        tasks_done=stats.tasks_done, tasks_total=stats.tasks_total,
                        workers_seen=stats.workers_seen)
         summary.update({k: v for k, v in sorted(stats.metrics.items())})
+        if stats.restored_from:
+            summary.update(restored_from=stats.restored_from, restored_step=stats.restored_step)
+        if stats.checkpoints_written:
+            summary.update(checkpoint_step=stats.checkpoint_step, checkpoints_written=stats.checkpoints_written)
     return summary

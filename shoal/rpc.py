@@ -26,6 +26,10 @@ CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that went away (a restarted chief, a ps) is tried again at least every second, not on
+    # gRPC's default schedule (1 s growing 1.6x to 120 s), so members re-attach soon after it is back.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS = MESSAGE_OPTIONS + [
     ("grpc.so_reuseport", 0),
@@ -82,7 +86,7 @@ def grpc_errors(method: Callable) -> Callable:
 
 
 def with_retries(call: Callable[[], T], what: str, deadline_s: float | None = None,
-                 first_delay_s: float = 0.1, max_delay_s: float = 2.0,
+                 first_delay_s: float = 0.1, max_delay_s: float = 1.0,
                  retry_on: frozenset = RETRYABLE, sleep: Callable[[float], None] = time.sleep) -> T:
     """Calls ``call`` until it succeeds, backing off (with jitter) on retryable codes.
 

@@ -15,13 +15,29 @@ from shoal.ps.server import PSServer
 
 
 class InProcessCluster:
-    def __init__(self, num_ps: int = 2, job: JobConfig | None = None):
+    """``journal``: a SQLite path for the chief's state, so :meth:`restart_chief` can bring it back.
+    ``checkpoint``: a ``chief.checkpointer.CheckpointConfig`` for the chief."""
+
+    def __init__(self, num_ps: int = 2, job: JobConfig | None = None, journal: str | None = None,
+                 checkpoint=None):
         self.job = job or JobConfig(num_shards=num_ps)
         if self.job.num_shards != num_ps:
             raise ValueError(f"job has {self.job.num_shards} shards but {num_ps} parameter servers were asked for")
-        self.chief = ChiefServer(self.job, bind="127.0.0.1:0", tick_s=0.05).start()
+        self.journal = journal
+        self.checkpoint = checkpoint
+        self.chief = ChiefServer(self.job, bind="127.0.0.1:0", tick_s=0.05, journal=journal,
+                                 checkpoint=checkpoint).start()
         self.chief_address = self.chief.address
         self.servers = [PSServer(self.chief_address, bind="127.0.0.1:0").start() for _ in range(num_ps)]
+
+    def stop_chief(self) -> None:
+        self.chief.stop(grace_s=0.2)
+
+    def start_chief(self) -> ChiefServer:
+        """A new chief on the old address, recovering from the journal."""
+        self.chief = ChiefServer(self.job, bind=self.chief_address, tick_s=0.05, journal=self.journal,
+                                 checkpoint=self.checkpoint).start()
+        return self.chief
 
     def stop(self) -> None:
         for s in self.servers:

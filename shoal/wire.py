@@ -19,6 +19,8 @@ DATA_SERVICE = "shoal.ParameterServerData"
 INIT = f"/{DATA_SERVICE}/Init"
 PUSH = f"/{DATA_SERVICE}/Push"
 PULL = f"/{DATA_SERVICE}/Pull"
+PUSH_ONE = f"/{DATA_SERVICE}/PushOne"
+PULL_ONE = f"/{DATA_SERVICE}/PullOne"
 
 # Pull payload encodings (weights, not gradients: no error feedback needed).
 PULL_ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2}
@@ -72,6 +74,12 @@ def iter_chunks(raw: bytes, tag: str, chunk_bytes: int,
             return
 
 
-def data_stubs(channel: grpc.Channel) -> tuple[Callable, Callable, Callable]:
-    """(init, push, pull) callables with identity serializers: bytes in, bytes out."""
-    return (channel.stream_unary(INIT), channel.stream_unary(PUSH), channel.unary_stream(PULL))
+class DataStubs:
+    """Callables of the data plane with identity serializers: bytes in, bytes out."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.init = channel.stream_unary(INIT)
+        self.push = channel.stream_unary(PUSH)
+        self.pull = channel.unary_stream(PULL)
+        self.push_one = channel.unary_unary(PUSH_ONE)
+        self.pull_one = channel.unary_unary(PULL_ONE)

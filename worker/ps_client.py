@@ -10,7 +10,7 @@ from shoal import frames
 from shoal.config import OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.rpc import open_channel
-from shoal.wire import data_stubs, decode_weights
+from shoal.wire import PULL_ITEMSIZE, DataStubs, decode_weights
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +19,14 @@ class ShardClient:
     """Talks to the process currently serving ``shard`` at ``address``."""
 
     def __init__(self, shard: int, address: str, numel: int, fingerprint: str,
-                 chunk_bytes: int = 8 << 20):
+                 chunk_bytes: int = 1 << 20):
         self.shard = shard
         self.address = address
         self.numel = numel
         self.fingerprint = fingerprint
         self.chunk_bytes = chunk_bytes
         self.channel = open_channel(address)
-        self._init, self._push, self._pull = data_stubs(self.channel)
+        self._stubs = DataStubs(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -47,7 +47,7 @@ class ShardClient:
                 if off >= self.numel:
                     return
 
-        return pb.InitReply.FromString(self._init(gen(), timeout=timeout_s))
+        return pb.InitReply.FromString(self._stubs.init(gen(), timeout=timeout_s))
 
     def push(self, chunks: list[tuple[int, int, str, bytes]], *, worker: str, version: int, key: str,
              view_epoch: int, samples: int, timeout_s: float = 60, **batch: object) -> tuple[pb.PushReply, int]:
@@ -67,7 +67,10 @@ class ShardClient:
                 sent += len(frame)
                 yield frame
 
-        reply = pb.PushReply.FromString(self._push(gen(), timeout=timeout_s))
+        if len(chunks) == 1:   # one frame: a unary call costs a fraction of a stream's overhead
+            reply = pb.PushReply.FromString(self._stubs.push_one(next(gen()), timeout=timeout_s))
+        else:
+            reply = pb.PushReply.FromString(self._stubs.push(gen(), timeout=timeout_s))
         return reply, sent
 
     def pull(self, out: torch.Tensor, min_version: int = 0, codec: str = "none",
@@ -76,7 +79,11 @@ class ShardClient:
         req = pb.PullRequest(shard=self.shard, min_version=min_version, timeout_seconds=timeout_s * 0.9,
                              codec=codec, layout_fingerprint=self.fingerprint).SerializeToString()
         version, got, covered = -1, 0, 0
-        for frame in self._pull(req, timeout=timeout_s):
+        if self.numel * PULL_ITEMSIZE.get(codec, 4) <= self.chunk_bytes:
+            frames_in = [self._stubs.pull_one(req, timeout=timeout_s)]
+        else:
+            frames_in = self._stubs.pull(req, timeout=timeout_s)
+        for frame in frames_in:
             got += len(frame)
             head, payload = frames.unpack(frame, pb.PullHeader)
             if head.shard_numel != self.numel or head.offset != covered:

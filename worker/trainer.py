@@ -25,7 +25,10 @@ from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan
+from shoal.memory import tune_malloc
+from shoal.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb
+from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 from shoal.worker.ps_client import ShardClient, is_uninitialised
 from shoal.worker.push import GradientEncoder
@@ -60,8 +63,9 @@ class Trainer:
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
-                 compression: str | None = None, pull_codec: str | None = None,
+                 compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  ready_timeout_s: float = 120.0, **hparams: float):
+        tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
         if not self.chief_address:
@@ -91,6 +95,9 @@ class Trainer:
         self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
         self._feed: TaskFeed | None = None
+        self._step_versions = dict(self.versions)
+        self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
+                                        self._launch_push) if overlap else None
         self._initialise_or_pull()
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
@@ -133,7 +140,11 @@ class Trainer:
     # ------------------------------------------------------------ training
 
     def zero_grad(self) -> None:
+        """Zeroes the flat gradient buffer; with overlap, arms the push hooks for this step."""
         self.flat_grads.zero_()
+        if self._readiness is not None:
+            self._step_versions = dict(self.versions)
+            self._readiness.arm()
         for p, g in zip(self._params, self._grad_views):
             if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                 p.grad = g
@@ -155,16 +166,14 @@ class Trainer:
         a sync round) is handed back to the chief to be trained again.
         """
         t0 = time.perf_counter()
+        early = self._readiness.take() if self._readiness is not None else {}
         self._gather_grads()
         batch = self._batch
         if batch is not None:
             samples = samples or batch.stop - batch.start
-            key_base = f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
-        else:
-            key_base = f"{self.member_id}/step{self.step_count}"
-        versions = dict(self.versions)
-        replies = dict(zip(self._clients, self._pool.map(
-            lambda k: self._push(k, versions[k], key_base, samples, batch), self._clients)))
+        versions = self._step_versions if early else dict(self.versions)
+        futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
+        replies = {k: f.result() for k, f in futures.items()}
         # Sync: wait for the rounds only when every shard took this step's gradient. A worker that
         # was late somewhere (a backup-worker round closed without it) moves on at once instead;
         # waiting on the shards that did take it could deadlock against workers late elsewhere.
@@ -187,6 +196,19 @@ class Trainer:
                 self._step_seconds = period if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * period
             self._last_step_end = now
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
+
+    def _key_base(self) -> str:
+        batch = self._batch
+        if batch is not None:
+            return f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
+        return f"{self.member_id}/step{self.step_count}"
+
+    def _launch_push(self, shard: int, versions: dict[int, int] | None = None):
+        """Submits shard's push for the current step to the pool (from step() or a backward hook)."""
+        batch = self._batch
+        version = (versions or self._step_versions)[shard]
+        samples = batch.stop - batch.start if batch is not None else 0
+        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
               batch: "BatchContext | None") -> pb.PushReply:
@@ -274,9 +296,9 @@ class Trainer:
 
     def report(self, **values: float) -> None:
         """Publishes job-level metrics (e.g. ``test_accuracy``) to the chief."""
-        self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id,
-                                                       values={k: float(v) for k, v in values.items()}),
-                                      timeout=10)
+        req = pb.MetricsReport(member_id=self.member_id, values={k: float(v) for k, v in values.items()})
+        with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=10), "report metrics to the chief",
+                     deadline_s=120)
 
     def close(self) -> None:
         """Leaves the job gracefully (returns held tasks) and closes connections."""

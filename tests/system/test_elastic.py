@@ -29,7 +29,11 @@ def test_random_joins_and_kills_keep_exactly_once(tmp_path, mode, extra):
     victims = rng.sample(["worker0", "worker1", "worker2"], 2)
     joined = []
     for i, mark in enumerate(marks):
-        wait_until(lambda m=mark: job_steps(tmp_path) >= m, timeout_s=120, what=f"step {mark}")
+        try:
+            wait_until(lambda m=mark: job_steps(tmp_path) >= m, timeout_s=120, what=f"step {mark}")
+        except AssertionError:
+            proc.kill()
+            raise AssertionError(f"no step {mark}:\n" + (tmp_path / "local.log").read_text()[-6000:]) from None
         if i == 1:
             joined.append(start_worker(tmp_path, "late-worker"))
         else:

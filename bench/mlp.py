@@ -1,0 +1,125 @@
+"""Dense benchmark: two 2048x2048 linear layers (no bias, ReLU between), batch 32, random data.
+
+2 workers and 2 parameter servers in async mode, one case per compressor,
+against torch DistributedDataParallel over gloo with the same model and batch
+(2 processes), in the same run. Reports worker steps per second (mean over
+workers) and the ratio to DDP. One JSON object per case.
+
+    .venv/bin/python bench/mlp.py [--seconds 10] [--codecs none bf16 topk ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False), torch.nn.ReLU(),
+                               torch.nn.Linear(2048, 2048, bias=False))
+
+
+def _loop(step, seconds: float, warmup: int = 3) -> float:
+    x, y = torch.randn(32, 2048), torch.randn(32, 2048)
+    for _ in range(warmup):
+        step(x, y)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step(x, y)
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def _shoal_worker(chief: str, codec: str, seconds: float, barrier, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    from shoal.worker import Trainer
+
+    model = build()
+    trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec)
+    barrier.wait()
+
+    def step(x, y):
+        trainer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        trainer.step(samples=len(x))
+
+    rate = _loop(step, seconds)
+    c = trainer.counters
+    out.put((rate, c.bytes_pushed / max(1, c.steps)))
+    trainer.close()
+
+
+def _ddp_worker(rank: int, port: int, seconds: float, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(build())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step(x, y):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    out.put(_loop(step, seconds))
+    dist.destroy_process_group()
+
+
+def run_ddp(seconds: float) -> float:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_worker, args=(r, port, seconds, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rates = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(rates) / len(rates)
+
+
+def run_shoal(codec: str, seconds: float) -> tuple[float, float]:
+    from _servers import Servers
+
+    ctx = mp.get_context("spawn")
+    with Servers(2, mode="async") as servers:
+        out, barrier = ctx.Queue(), ctx.Barrier(2)
+        procs = [ctx.Process(target=_shoal_worker, args=(servers.chief, codec, seconds, barrier, out))
+                 for _ in range(2)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join()
+    return sum(r for r, _ in results) / 2, sum(b for _, b in results) / 2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--codecs", nargs="+", default=["none", "fp16", "bf16", "int8", "topk", "sign", "topk+lz4"])
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ddp = run_ddp(args.seconds)
+    print(json.dumps({"case": "ddp-gloo", "workers": 2, "steps_per_s": round(ddp, 2)}), flush=True)
+    for codec in args.codecs:
+        rate, pushed = run_shoal(codec, args.seconds)
+        print(json.dumps({"case": f"shoal-async-{codec}", "workers": 2, "ps": 2, "steps_per_s": round(rate, 2),
+                          "push_bytes_per_step": int(pushed), "ratio_vs_ddp": round(rate / ddp, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Data-path throughput: push + pull of a 64 MB fp32 model, one worker, two shards.
+
+Against raw TCP between two Python processes moving the same bytes (64 MB
+there, 64 MB back with ``sendall`` / ``recv_into``), in the same run. Prints
+one JSON object per case and the ratio.
+
+    .venv/bin/python bench/wire.py [--mb 64] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import socket
+import statistics
+import time
+
+import torch
+
+
+def _tcp_echo_server(port_q: mp.Queue, nbytes: int, reps: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    for _ in range(reps):
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:], nbytes - got)
+        conn.sendall(view)
+    conn.close()
+
+
+def tcp_round_trips(nbytes: int, reps: int) -> list[float]:
+    q: mp.Queue = mp.Queue()
+    p = mp.Process(target=_tcp_echo_server, args=(q, nbytes, reps), daemon=True)
+    p.start()
+    s = socket.create_connection(("127.0.0.1", q.get()))
+    out = bytes(nbytes)
+    back = bytearray(nbytes)
+    view = memoryview(back)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        s.sendall(out)
+        got = 0
+        while got < nbytes:
+            got += s.recv_into(view[got:], nbytes - got)
+        times.append(time.perf_counter() - t)
+    s.close()
+    p.join()
+    return times
+
+
+def shoal_steps(mb: int, reps: int, compression: str, pull_codec: str) -> tuple[list[float], int]:
+    from _servers import Servers
+
+    from shoal.worker import Trainer
+
+    numel = mb * (1 << 20) // 4
+    model = torch.nn.Linear(numel // 1024, 1024, bias=False)
+    with Servers(2) as servers:
+        trainer = Trainer(model, chief=servers.chief, optimizer="sgd", lr=1e-6, overlap=False,
+                          compression=compression, pull_codec=pull_codec)
+        model.weight.grad.normal_()
+        times = []
+        before = trainer.counters.bytes_pushed + trainer.counters.bytes_pulled
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            trainer.step()
+            times.append(time.perf_counter() - t)
+        moved = (trainer.counters.bytes_pushed + trainer.counters.bytes_pulled - before) // (reps + 1)
+        trainer.close()
+    return times[1:], moved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    nbytes = args.mb << 20
+    tcp = tcp_round_trips(nbytes, args.reps + 1)[1:]
+    tcp_gbps = 2 * nbytes / statistics.median(tcp) / 1e9
+    print(json.dumps({"case": "raw-tcp", "mb": args.mb, "median_s": round(statistics.median(tcp), 4),
+                      "gb_per_s": round(tcp_gbps, 3)}), flush=True)
+    times, moved = shoal_steps(args.mb, args.reps, "none", "none")
+    gbps = moved / statistics.median(times) / 1e9
+    print(json.dumps({"case": "shoal-push-pull", "mb": args.mb, "shards": 2, "median_s": round(statistics.median(times), 4),
+                      "bytes_per_step": moved, "gb_per_s": round(gbps, 3),
+                      "ratio_vs_tcp": round(gbps / tcp_gbps, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

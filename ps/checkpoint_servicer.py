@@ -1,0 +1,100 @@
+"""Checkpoint control of a parameter server: Freeze / WriteShard / Thaw, and restore at assignment.
+
+The chief drives the protocol (``chief/checkpointer.py``, the ``ShardControl``
+service in ``proto/shoal.proto``); this file only turns its requests into
+:class:`shoal.ps.shard.Shard` calls and writes this server's shard file into the
+checkpoint's temporary directory, which lives on storage every role shares.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from shoal.config import JobConfig
+from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.layout import ShardPlan
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.ps.checkpoint import open_checkpoint
+from shoal.ps.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
+from shoal.ps.consistency import rule_for
+from shoal.ps.servicer import ShardHost
+from shoal.ps.shard import Shard
+from shoal.rpc import grpc_errors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FREEZE_TIMEOUT_S = 10.0
+DEFAULT_HOLD_S = 30.0
+
+
+class ShardControlServicer(pb_grpc.ShardControlServicer):
+    def __init__(self, host: ShardHost):
+        self.host = host
+
+    @grpc_errors
+    def Freeze(self, request, context):
+        shard = self.host.get(request.shard)
+        version = shard.freeze(request.target_version, request.timeout_seconds or DEFAULT_FREEZE_TIMEOUT_S,
+                               request.hold_seconds or DEFAULT_HOLD_S)
+        return pb.FreezeReply(version=version)
+
+    @grpc_errors
+    def WriteShard(self, request, context):
+        shard = self.host.get(request.shard)
+        directory = _pending_dir(request.directory)
+        if request.layout_fingerprint and request.layout_fingerprint != shard.fingerprint:
+            raise FailedPrecondition(f"checkpoint for layout {request.layout_fingerprint}; shard {request.shard} "
+                                     f"holds {shard.fingerprint}")
+        if request.stop - request.start != shard.numel:
+            raise InvalidArgument(f"range [{request.start}, {request.stop}) does not fit shard {request.shard} "
+                                  f"of {shard.numel} elements")
+        state = shard.export_state(request.start)
+        if state.version != request.version:
+            raise FailedPrecondition(f"shard {request.shard} is at version {state.version}, not at the "
+                                     f"checkpoint's {request.version} (did its freeze expire?)")
+        frozen = shard.thaw() if request.thaw else 0.0
+        t0 = time.perf_counter()
+        entry = write_shard_file(directory, state)
+        log.info("shard %d: wrote %s for checkpoint version %d (%d bytes, %.1f ms); updates held %.1f ms",
+                 request.shard, entry["file"], state.version, entry["bytes"], (time.perf_counter() - t0) * 1e3,
+                 frozen * 1e3)
+        return pb.WriteShardReply(shard=entry["shard"], start=entry["start"], stop=entry["stop"], file=entry["file"],
+                                  sha256=entry["sha256"], bytes=entry["bytes"], version=entry["version"],
+                                  frozen_seconds=frozen)
+
+    @grpc_errors
+    def Thaw(self, request, context):
+        shard = self.host.shards.get(request.shard)
+        return pb.ThawReply(frozen_seconds=shard.thaw() if shard is not None else 0.0)
+
+
+def _pending_dir(directory: str) -> Path:
+    path = Path(directory)
+    if not TMP_RE.match(path.name) or not path.is_dir():
+        raise InvalidArgument(f"{directory!r} is not a checkpoint's temporary directory on this host "
+                              f"(is the checkpoint dir shared with every parameter server?)")
+    return path
+
+
+def write_shard_file(directory: Path, state: ShardState) -> dict:
+    """Writes one shard's file (fsynced) into a pending checkpoint directory; returns its manifest entry."""
+    pending = PendingCheckpoint(CheckpointWriter(directory.parent), state.version, directory)
+    pending.write_shard(state)
+    return pending.entry(state.shard)
+
+
+def restore_shard(host: ShardHost, shard: int, path: str, job: JobConfig) -> Shard:
+    """Loads shard ``shard`` of this job's plan from checkpoint ``path`` (re-sliced if the job has a
+    different number of shards) and installs it in ``host``."""
+    t0 = time.monotonic()
+    ckpt = open_checkpoint(path)
+    plan = ShardPlan(ckpt.layout.numel, job.num_shards)
+    state = ckpt.shard_state(plan, shard)
+    s = Shard.from_state(state, rule_for(job), ckpt.layout.fingerprint)
+    host.install(s)
+    log.info("shard %d restored from %s: version %d, elements [%d, %d) of %d, from %d saved shard(s), in %.2fs",
+             shard, ckpt.path, s.version, state.start, state.stop, ckpt.layout.numel, ckpt.num_shards,
+             time.monotonic() - t0)
+    return s

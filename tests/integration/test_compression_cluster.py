@@ -1,0 +1,47 @@
+"""Every compressor still trains the digits example on an in-process cluster."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.testing import run_threads
+from shoal.worker import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import digits  # noqa: E402
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk:0.05", "sign", "topk+lz4", "sign+lz4"])
+def test_each_compressor_trains_digits(cluster_factory, codec):
+    c = cluster_factory(2, mode="async")
+    (xtr, ytr), (xte, yte) = digits.load(0)
+    models = [digits.build_model(64) for _ in range(2)]
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.003, compression=codec, pull_codec="bf16")
+                for m in models]
+
+    def run(t, m):
+        for xb, yb in t.batches((xtr, ytr), batch_size=32, epochs=8):
+            t.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            t.step()
+
+    try:
+        run_threads(*[lambda t=t, m=m: run(t, m) for t, m in zip(trainers, models)], timeout_s=120)
+        trainers[0].pull()
+        acc = digits.accuracy(models[0], xte, yte)
+        assert acc >= 0.9, f"{codec}: test accuracy {acc:.3f}"
+        raw = 4 * sum(p.numel() for p in models[0].parameters())
+        pushed_per_step = sum(t.counters.bytes_pushed for t in trainers) / sum(t.counters.steps for t in trainers)
+        if codec.startswith(("topk", "sign")):
+            assert pushed_per_step < raw / 5         # the codec really shrank what went on the wire
+    finally:
+        for t in trainers:
+            t.close()
+
+
+def test_unknown_compressor_lists_the_known_ones(cluster_factory):
+    c = cluster_factory(1)
+    with pytest.raises(ValueError, match="unknown compressor 'zip'; known: bf16, fp16, int8, none, sign, topk"):
+        Trainer(torch.nn.Linear(2, 2), chief=c.chief_address, compression="zip")
