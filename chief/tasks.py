@@ -143,6 +143,14 @@ class TaskQueue:
         return held[1]
 
     def complete(self, member: str, task_id: int) -> None:
+        """Marks a held task done. A late report from a member whose lease ended (the task was
+        re-queued, maybe handed to someone else) is ignored: the shards' ledgers keep its batches
+        from counting twice when the task runs again."""
+        held = self._doing.get(task_id)
+        if (held is None and task_id not in self._done and 0 <= task_id < self._next_extra) or \
+                (held is not None and held[0] != member):
+            log.info("ignoring a late report of task %d from %s (re-queued after its lease ended)", task_id, member)
+            return
         t = self._held(member, task_id)
         if t is None:
             return

@@ -239,13 +239,22 @@ class LocalCluster:
         finally:
             channel.close()
 
-    def shard_report(self) -> dict | None:
-        """Shard versions and ledgers, read before the servers stop."""
-        try:
-            return collect(self.chief_address)
-        except grpc.RpcError as exc:
-            log.warning("could not read shard status: %s", exc.code().name)
-            return None
+    def shard_report(self, settle_s: float = 5.0) -> dict | None:
+        """Shard versions and ledgers, read before the servers stop.
+
+        A sync round a departed worker pushed into closes once its shard sees the
+        worker gone; wait (briefly) for every shard to have no open round.
+        """
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                report = collect(self.chief_address)
+            except grpc.RpcError as exc:
+                log.warning("could not read shard status: %s", exc.code().name)
+                return None
+            if all(not sh.get("round_pending") for sh in report["shards"]) or time.monotonic() > deadline:
+                return report
+            time.sleep(0.05)
 
     def stop(self) -> None:
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]

@@ -28,15 +28,17 @@ class TaskFeed:
     """Background fetcher of tasks; iterate it for :class:`Task` objects."""
 
     def __init__(self, stub, member_id: Callable[[], str], spec: DatasetSpec, prefetch: int = 2,
-                 poll_s: float = 0.05):
+                 poll_s: float = 0.05, rejoin: Callable[[], object] | None = None):
         self._stub = stub
         self._member_id = member_id
         self._spec = convert.dataset_to_pb(spec)
         self._prefetch = max(1, prefetch)
         self._poll_s = poll_s
+        self._rejoin = rejoin
         self._ready: queue.Queue = queue.Queue()
         self._done: list[int] = []
         self._dropped: list[pb.BatchRange] = []
+        self._unacked: dict[tuple[int, int], int] = {}
         self._done_lock = threading.Lock()
         self._space = threading.Semaphore(self._prefetch)
         self._stop = threading.Event()
@@ -50,7 +52,19 @@ class TaskFeed:
         req = pb.TaskRequest(member_id=self._member_id(), dataset=self._spec, max_tasks=max_tasks,
                              done_task_ids=done, dropped=dropped)
         try:
-            return with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
+            try:
+                reply = with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND or self._rejoin is None:
+                    raise
+                log.warning("the chief dropped this worker (%s); joining again", exc.details())
+                self._rejoin()
+                req.member_id = self._member_id()
+                reply = with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
+            with self._done_lock:
+                for b in dropped:
+                    self._unacked.pop((b.epoch, b.start), None)
+            return reply
         except grpc.RpcError:
             with self._done_lock:
                 self._done = done + self._done
@@ -81,10 +95,24 @@ class TaskFeed:
             self._done.append(task.task_id)
         self._space.release()
 
-    def drop(self, epoch: int, start: int, stop: int) -> None:
+    def drop(self, epoch: int, start: int, stop: int, task_id: int) -> None:
         """A shard dropped this batch (a late sync gradient): hand it out again."""
         with self._done_lock:
             self._dropped.append(pb.BatchRange(epoch=epoch, start=start, stop=stop))
+            self._unacked[(epoch, start)] = task_id
+
+    def progress_holds(self) -> dict[int, int]:
+        """Per task, the first dropped batch the chief has not heard of yet.
+
+        Progress reported for a task must not pass it: if this worker dies
+        before the drop reaches the chief, the task resumes there and the
+        batch is trained again instead of being lost.
+        """
+        with self._done_lock:
+            holds: dict[int, int] = {}
+            for (_, start), task_id in self._unacked.items():
+                holds[task_id] = min(start, holds.get(task_id, start))
+            return holds
 
     def flush(self) -> None:
         """Reports finished tasks and dropped batches now (before leaving the job)."""

@@ -183,7 +183,7 @@ class Trainer:
         replies = list(replies.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
-                self._feed.drop(batch.task.epoch, batch.start, batch.stop)
+                self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
             with self._counter_lock:
                 self._progress[batch.task.task_id] = batch.stop
         self.step_count += 1
@@ -223,6 +223,11 @@ class Trainer:
                                           samples=samples, **extra)
                 break
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "is over" in (exc.details() or ""):
+                    # this worker trained a task the chief re-queued (its lease lapsed) and another
+                    # worker already finished the epoch: nothing to apply, skip the batch
+                    log.info("shard %d: %s; skipping the batch", shard, exc.details())
+                    return pb.PushReply(accepted=False, duplicate=True, reason=exc.details())
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
                     raise
                 log.info("shard %d: %s; retrying", shard, exc.details())
@@ -259,7 +264,7 @@ class Trainer:
         Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
         """
         spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
-        feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch)
+        feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join)
         self._feed = feed
         try:
             for task, token in feed:
@@ -284,9 +289,11 @@ class Trainer:
             self.counters.bytes_pulled += pulled
 
     def _fill_heartbeat(self, req: pb.HeartbeatRequest) -> None:
+        feed = self._feed
         with self._counter_lock:
+            holds = feed.progress_holds() if feed is not None else {}
             for task_id, next_start in self._progress.items():
-                req.progress.add(task_id=task_id, next_start=next_start)
+                req.progress.add(task_id=task_id, next_start=min(next_start, holds.get(task_id, next_start)))
             req.step_seconds = self._step_seconds
 
     def _snapshot_counters(self) -> Counters:
