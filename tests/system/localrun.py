@@ -70,3 +70,18 @@ def start_worker(tmp_path: Path, name: str, *script_args: str) -> subprocess.Pop
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen([*SHOAL, "worker", "--chief", address, DIGITS, *script_args],
                             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+
+def kill_and_await_restart(tmp_path: Path, role: str, timeout_s: float = 30.0) -> int:
+    """SIGKILLs ``role`` (a name in pids.json) and waits for the supervisor to start it again."""
+    import signal
+    import time
+
+    victim = pids(tmp_path)[role]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while pids(tmp_path)[role] == victim:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{role} was not restarted within {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return victim

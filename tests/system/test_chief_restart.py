@@ -1,11 +1,9 @@
 """A SIGKILLed chief under ``shoal local``: restarted on its port from its journal, the job carries on."""
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
-from localrun import finish, job_steps, pids, start_local
+from localrun import kill_and_await_restart, finish, job_steps, pids, start_local
 
 from shoal.testing import wait_until
 
@@ -17,9 +15,7 @@ def test_sigkilled_chief_is_restarted_from_its_journal_and_the_job_finishes_exac
                        script_args=("--epochs", "8"))                  # 344 batches: the kill lands mid-run
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 100,
                timeout_s=90, what="training to be under way")
-    victim = pids(tmp_path)["chief"]
-    os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: pids(tmp_path)["chief"] != victim, timeout_s=30, what="the chief's restart")
+    kill_and_await_restart(tmp_path, "chief")
     summary = finish(proc, tmp_path)
     log = (tmp_path / "local.log").read_text()
     assert summary["restarts"] == {"chief": 1}

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import pytest
-from localrun import DIGITS, SHOAL, alive, finish, job_steps, pids, start_local
+from localrun import kill_and_await_restart, DIGITS, SHOAL, alive, finish, job_steps, pids, start_local
 
 from shoal.testing import wait_until
 
@@ -44,9 +44,7 @@ def test_a_killed_worker_is_restarted_and_rejoins(tmp_path):
     proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "async", "--restart-backoff", "0.2")
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 80,
                timeout_s=90, what="training to be under way")
-    victim = pids(tmp_path)["worker0"]
-    os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: pids(tmp_path)["worker0"] != victim, timeout_s=30, what="the restart")
+    kill_and_await_restart(tmp_path, "worker0")
     summary = finish(proc, tmp_path)
     assert summary["restarts"] == {"worker0": 1}
     assert summary["worker_exit_codes"] == {"worker0": 0, "worker1": 0}
