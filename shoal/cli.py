@@ -127,6 +127,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                       num_workers=args.workers, job=job, compression=args.compression or "none",
                       pull_codec=args.pull_codec or "none", summary=args.summary or "", run_dir=args.run_dir or "",
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
+                      drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
                       keep_checkpoints=args.keep_checkpoints)
     return run_local(cfg)
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
             p.add_argument("--restart-backoff", type=float, default=1.0,
                            help="seconds before the first restart of a crashed role; doubles each time")
+            p.add_argument("--drain-seconds", type=float, default=60.0,
+                           help="after the script's workers end, wait this long for workers that joined "
+                                "from outside to leave before stopping the servers")
             _job_args(p)
             _checkpoint_args(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")

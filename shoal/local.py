@@ -60,6 +60,7 @@ class LocalConfig:
     checkpoint_dir: str = ""          # passed to the chief with the two settings below
     checkpoint_interval: str = ""
     keep_checkpoints: int = 3
+    drain_s: float = 60.0              # after our workers end: how long workers that joined from outside may take
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -68,6 +69,8 @@ class LocalConfig:
             raise InvalidArgument(f"--workers must be >= 1, got {self.num_workers}")
         if not Path(self.script).is_file():
             raise InvalidArgument(f"training script {self.script!r} does not exist")
+        if self.drain_s < 0:
+            raise InvalidArgument(f"--drain-seconds must be >= 0, got {self.drain_s}")
         if self.restart_backoff_s < 0:
             raise InvalidArgument(f"--restart-backoff must be >= 0, got {self.restart_backoff_s}")
         if self.job.backup_workers >= self.num_workers and self.job.backup_workers:
@@ -229,6 +232,33 @@ class LocalCluster:
         self.restarts[name] = self.restarts.get(name, 0) + 1
         self._spawn(name, args, env)
 
+    def drain(self) -> int:
+        """Waits (at most ``drain_s``) until no worker holds a lease; returns how many still do.
+
+        Workers that joined from outside (``shoal worker`` against this cluster)
+        finish their last batches, evaluate and report after the job's data is
+        done; stopping the servers under them would leave them retrying.
+        """
+        deadline = time.monotonic() + self.cfg.drain_s
+        channel = open_channel(self.chief_address)
+        try:
+            stub = pb_grpc.ChiefStub(channel)
+            while True:
+                try:
+                    view = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=5)
+                    live = [m.member_id for m in view.members
+                            if m.role == pb.WORKER and m.state in ("alive", "idle")]
+                except grpc.RpcError as exc:
+                    log.warning("could not read the view to drain workers: %s", exc.code().name)
+                    return -1
+                if not live or time.monotonic() >= deadline:
+                    if live:
+                        log.warning("stopping with %d worker(s) still joined: %s", len(live), ", ".join(live))
+                    return len(live)
+                time.sleep(0.1)
+        finally:
+            channel.close()
+
     def job_stats(self) -> pb.JobStats | None:
         channel = open_channel(self.chief_address)
         try:
@@ -279,6 +309,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     try:
         cluster.start()
         codes = cluster.wait_workers()
+        cluster.drain()
         seconds = time.monotonic() - started
         stats = cluster.job_stats()
         shards = cluster.shard_report()
