@@ -186,7 +186,7 @@ class ShardControlClient:
 
     def version(self, shard: int, timeout_s: float = 5.0) -> int | None:
         """The shard's version, or None while it is not initialised."""
-        st = self._status.Status(pb.Empty(), timeout=timeout_s)
+        st = self._status.Status(pb.StatusRequest(shard=shard, by_shard=True), timeout=timeout_s)
         return st.version if st.initialized and st.shard == shard else None
 
     def freeze(self, shard: int, target: int, timeout_s: float, hold_s: float) -> int:

@@ -29,6 +29,8 @@ class Route:
     shard: int
     member_id: str
     address: str
+    backup_id: str = ""
+    backup_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ class ChiefState:
         self.members = Membership(job.lease_seconds, clock)
         self.tasks = TaskQueue()
         self.layout: ModelLayout | None = None
-        self.routing: dict[int, str] = {}
+        self.routing: dict[int, str] = {}      # shard -> primary ps
+        self.backups: dict[int, str] = {}      # shard -> backup ps (with replicas = 2)
+        self.lost: list[int] = []              # shards that lost every copy (see recovery)
         self.metrics: dict[str, float] = {}
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
 
@@ -77,16 +81,34 @@ class ChiefState:
         return m
 
     def join_ps(self, address: str, host: str = "", member_id: str = "") -> tuple[Member, int]:
+        """A ps joins: it takes a shard without a primary, else it backs up shards that need one."""
         m = self.members.join(Role.PS, address=address, host=host, member_id=member_id)
-        shard = next((k for k, mid in self.routing.items() if mid == m.member_id), -1)
+        shard = next((k for k, mid in sorted(self.routing.items()) if mid == m.member_id), -1)
         if shard < 0:
             free = [k for k in range(self.job.num_shards) if k not in self.routing]
             if free:
                 shard = free[0]
                 self.routing[shard] = m.member_id
+                self.backups.pop(shard, None)
                 log.info("shard %d -> %s at %s", shard, m.member_id, address)
+        self._assign_backups()
         self._changed(f"ps {m.member_id} joined (shard {shard})")
         return m, shard
+
+    def _assign_backups(self) -> None:
+        """Gives every shard without a backup one on another live ps, the least loaded first."""
+        if self.job.replicas < 2:
+            return
+        live = [m.member_id for m in self.members.alive(Role.PS)]
+        for k in sorted(self.routing):
+            if k in self.backups:
+                continue
+            load = {p: sum(1 for b in self.backups.values() if b == p) +
+                    sum(1 for q in self.routing.values() if q == p) for p in live}
+            candidates = sorted((load[p], p) for p in live if p != self.routing[k])
+            if candidates:
+                self.backups[k] = candidates[0][1]
+                log.info("shard %d: backup %s", k, self.backups[k])
 
     def heartbeat(self, member_id: str, counters: Counters | None = None,
                   progress: Mapping[int, int] | None = None, step_seconds: float = 0.0) -> bool:
@@ -128,10 +150,20 @@ class ChiefState:
     def _drop(self, m: Member) -> None:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)
-        else:
-            for k in [k for k, mid in self.routing.items() if mid == m.member_id]:
+            return
+        for k in [k for k, mid in self.backups.items() if mid == m.member_id]:
+            del self.backups[k]
+            log.warning("shard %d lost its backup %s", k, m.member_id)
+        for k in [k for k, mid in self.routing.items() if mid == m.member_id]:
+            backup = self.backups.pop(k, None)
+            if backup is not None:
+                self.routing[k] = backup
+                log.warning("shard %d lost its primary %s; promoted its backup %s", k, m.member_id, backup)
+            else:
                 del self.routing[k]
-                log.warning("shard %d lost its primary %s", k, m.member_id)
+                self.lost.append(k)
+                log.error("shard %d lost its primary %s and has no backup: every copy is gone", k, m.member_id)
+        self._assign_backups()
 
     # ------------------------------------------------------------ data tasks
 
@@ -165,7 +197,13 @@ class ChiefState:
     def view(self) -> View:
         alive = tuple(self.members.alive())
         by_id = {m.member_id: m for m in alive}
-        routes = tuple(Route(k, mid, by_id[mid].address) for k, mid in sorted(self.routing.items()) if mid in by_id)
+        routes = []
+        for k, mid in sorted(self.routing.items()):
+            if mid not in by_id:
+                continue
+            b = by_id.get(self.backups.get(k, ""))
+            routes.append(Route(k, mid, by_id[mid].address, b.member_id if b else "", b.address if b else ""))
+        routes = tuple(routes)
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
                     frozenset(self.stragglers()), dict(self.step_seconds))
@@ -192,6 +230,8 @@ class ChiefState:
             "step_seconds": dict(self.step_seconds),
             "layout": None if self.layout is None else [[t.name, list(t.shape), t.dtype] for t in self.layout.specs],
             "routing": [[k, mid] for k, mid in sorted(self.routing.items())],
+            "backups": [[k, mid] for k, mid in sorted(self.backups.items())],
+            "lost": list(self.lost),
             "metrics": dict(self.metrics),
             "members": self.members.to_dict(),
             "tasks": self.tasks.to_dict(),
@@ -214,6 +254,8 @@ class ChiefState:
         if d["layout"] is not None:
             s.layout = ModelLayout(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in d["layout"])
         s.routing = {int(k): mid for k, mid in d["routing"]}
+        s.backups = {int(k): mid for k, mid in d.get("backups", [])}
+        s.lost = [int(k) for k in d.get("lost", [])]
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])

@@ -37,18 +37,22 @@ class ModelLayout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds")
+    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds", "replicas", "recovery")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     mode: str
     backup_workers: int
     staleness: int
     num_shards: int
     lease_seconds: float
-    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    replicas: int
+    recovery: str
+    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., recovery: _Optional[str] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("steps", "samples", "bytes_pushed", "bytes_pulled")
@@ -97,14 +101,18 @@ class MemberInfo(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class ShardRoute(_message.Message):
-    __slots__ = ("shard", "primary_id", "primary_address")
+    __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     primary_id: str
     primary_address: str
-    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ...) -> None: ...
+    backup_id: str
+    backup_address: str
+    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ...) -> None: ...
 
 class ClusterView(_message.Message):
     __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs")
@@ -426,7 +434,7 @@ class PullHeader(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., shard_numel: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks")
+    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions")
     class WorkerClocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +454,9 @@ class ShardStatus(_message.Message):
     ROUND_PENDING_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     WORKER_CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_STATE_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -458,7 +469,10 @@ class ShardStatus(_message.Message):
     round_pending: int
     ledger: _containers.RepeatedCompositeFieldContainer[LedgerEpoch]
     worker_clocks: _containers.ScalarMap[str, int]
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    backup: str
+    backup_state: str
+    promotions: int
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ...) -> None: ...
 
 class LedgerEpoch(_message.Message):
     __slots__ = ("epoch", "applied", "max_count")
@@ -469,6 +483,14 @@ class LedgerEpoch(_message.Message):
     applied: int
     max_count: int
     def __init__(self, epoch: _Optional[int] = ..., applied: _Optional[int] = ..., max_count: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("shard", "by_shard")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    BY_SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    by_shard: bool
+    def __init__(self, shard: _Optional[int] = ..., by_shard: _Optional[bool] = ...) -> None: ...
 
 class FreezeRequest(_message.Message):
     __slots__ = ("shard", "target_version", "timeout_seconds", "hold_seconds")
@@ -537,3 +559,75 @@ class ThawReply(_message.Message):
     FROZEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     frozen_seconds: float
     def __init__(self, frozen_seconds: _Optional[float] = ...) -> None: ...
+
+class ReplicatedBatch(_message.Message):
+    __slots__ = ("epoch", "start", "owner")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    start: int
+    owner: str
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class ReplicateHeader(_message.Message):
+    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    version: int
+    primary_id: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    batches: _containers.RepeatedCompositeFieldContainer[ReplicatedBatch]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    offset: int
+    numel: int
+    shard_numel: int
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ...) -> None: ...
+
+class InstallHeader(_message.Message):
+    __slots__ = ("shard", "version", "primary_id", "offset", "total_bytes", "layout_fingerprint")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    version: int
+    primary_id: str
+    offset: int
+    total_bytes: int
+    layout_fingerprint: str
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ReplicateReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class DigestRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    def __init__(self, shard: _Optional[int] = ...) -> None: ...
+
+class DigestReply(_message.Message):
+    __slots__ = ("shard", "version", "sha256", "role")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    version: int
+    sha256: str
+    role: str
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...

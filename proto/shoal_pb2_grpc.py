@@ -366,7 +366,7 @@ class ParameterServerStub:
         """
         self.Status = channel.unary_unary(
                 '/shoal.ParameterServer/Status',
-                request_serializer=shoal_dot_proto_dot_shoal__pb2.Empty.SerializeToString,
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.StatusRequest.SerializeToString,
                 response_deserializer=shoal_dot_proto_dot_shoal__pb2.ShardStatus.FromString,
                 _registered_method=True)
 
@@ -385,7 +385,7 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.Empty.FromString,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.StatusRequest.FromString,
                     response_serializer=shoal_dot_proto_dot_shoal__pb2.ShardStatus.SerializeToString,
             ),
     }
@@ -414,7 +414,7 @@ class ParameterServer:
             request,
             target,
             '/shoal.ParameterServer/Status',
-            shoal_dot_proto_dot_shoal__pb2.Empty.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.StatusRequest.SerializeToString,
             shoal_dot_proto_dot_shoal__pb2.ShardStatus.FromString,
             options,
             channel_credentials,
@@ -436,6 +436,11 @@ class ShardControlStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Digest = channel.unary_unary(
+                '/shoal.ShardControl/Digest',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.DigestRequest.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.DigestReply.FromString,
+                _registered_method=True)
         self.Freeze = channel.unary_unary(
                 '/shoal.ShardControl/Freeze',
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.FreezeRequest.SerializeToString,
@@ -455,6 +460,12 @@ class ShardControlStub:
 
 class ShardControlServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Digest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Freeze(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -477,6 +488,11 @@ class ShardControlServicer:
 
 def add_ShardControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Digest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Digest,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.DigestRequest.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.DigestReply.SerializeToString,
+            ),
             'Freeze': grpc.unary_unary_rpc_method_handler(
                     servicer.Freeze,
                     request_deserializer=shoal_dot_proto_dot_shoal__pb2.FreezeRequest.FromString,
@@ -502,6 +518,33 @@ def add_ShardControlServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ShardControl:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Digest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.ShardControl/Digest',
+            shoal_dot_proto_dot_shoal__pb2.DigestRequest.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.DigestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Freeze(request,

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 from shoal.config import JobConfig
-from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.ps.checkpoint import open_checkpoint
 from shoal.ps.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
 from shoal.ps.consistency import rule_for
-from shoal.ps.servicer import ShardHost
+from shoal.ps.host import ShardHost
 from shoal.ps.shard import Shard
 from shoal.rpc import grpc_errors
 
@@ -32,6 +32,16 @@ DEFAULT_HOLD_S = 30.0
 class ShardControlServicer(pb_grpc.ShardControlServicer):
     def __init__(self, host: ShardHost):
         self.host = host
+
+    @grpc_errors
+    def Digest(self, request, context):
+        """A fingerprint of one copy (primary or backup): tests and the run summary compare replicas."""
+        shard = self.host.shards.get(request.shard)
+        if shard is None:
+            raise NotFound(f"this parameter server holds no copy of shard {request.shard}")
+        version, sha = shard.digest()
+        return pb.DigestReply(shard=request.shard, version=version, sha256=sha,
+                              role=self.host.roles.get(request.shard, ""))
 
     @grpc_errors
     def Freeze(self, request, context):

@@ -6,7 +6,8 @@ import socket
 
 from shoal.ps.checkpoint_servicer import ShardControlServicer, restore_shard
 from shoal.ps.optim import warm_up
-from shoal.ps.servicer import DataServicer, ShardHost, StatusServicer
+from shoal.ps.host import ShardHost
+from shoal.ps.servicer import DataServicer, StatusServicer
 from shoal import convert
 from shoal.chief_client import ChiefClient
 from shoal.proto import shoal_pb2 as pb
@@ -37,8 +38,10 @@ class PSServer:
         reply = self.chief.join()
         job = convert.job_from_pb(reply.view.job)
         self.host.secret = reply.job_secret
+        self.host.member_id = self.chief.member_id
+        self.host.job = job
         if reply.shard < 0:
-            log.warning("chief has no free shard for %s; serving nothing until one is assigned", self.address)
+            log.info("chief has no free shard for %s; it holds backups until it is promoted", self.address)
         else:
             self.host.assign(reply.shard, job, restoring=bool(reply.restore_checkpoint))
         self.chief.on_view(self._on_view)
@@ -56,11 +59,12 @@ class PSServer:
 
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
-        self.host.set_view(workers, view.completed_epochs)
+        self.host.set_view(workers, view.completed_epochs, list(view.shards))
 
     def stop(self, grace_s: float = 2.0) -> None:
         set_serving(self._health, SERVICE, False)
         self.chief.leave()
+        self.host.close()
         self.server.stop(grace_s).wait()
         self.chief.close()
 

@@ -1,103 +1,30 @@
 """gRPC servicer of a parameter server: translates frames to :class:`ps.shard.Shard` calls.
 
-Hosts the shards the chief assigned to this process. No training logic lives
-here: admission, rounds and optimizer steps are the shard's.
+Serves the shards of a :class:`~shoal.ps.host.ShardHost`. No training logic
+lives here: admission, rounds and optimizer steps are the shard's, roles and
+replication the host's.
 """
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Iterator
 
 import grpc
 import torch
 
-from shoal.ps.consistency import rule_for
+from shoal.ps.host import ShardHost
+from shoal.ps.replication import install_from_frames, update_from_frames
 from shoal.ps.shard import Shard
 from shoal import frames, tokens
 from shoal.ps.ledger import BatchKey
-from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from shoal.config import OptimizerSpec
+from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors
 from shoal.wire import DATA_SERVICE, decode_chunk, iter_chunks
 
 log = logging.getLogger(__name__)
-
-
-class ShardHost:
-    """The shards of one ps process, keyed by shard id, plus their byte counters."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.job: JobConfig | None = None
-        self.assigned: set[int] = set()
-        self.shards: dict[int, Shard] = {}
-        self.live_workers: frozenset[str] = frozenset()
-        self.secret: bytes = b""
-        self.completed_epochs = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self._restoring: set[int] = set()             # shards being loaded from a checkpoint
-        self._restored = threading.Condition(self._lock)
-
-    def assign(self, shard: int, job: JobConfig, restoring: bool = False) -> None:
-        """``restoring``: the shard is loaded from a checkpoint next; an Init waits for it (see :meth:`install`)."""
-        with self._lock:
-            self.job = job
-            self.assigned.add(shard)
-            if restoring:
-                self._restoring.add(shard)
-
-    def install(self, s: Shard) -> None:
-        """Puts a shard restored from a checkpoint in place and wakes the Inits that waited for it."""
-        with self._lock:
-            s.set_live_workers(self.live_workers)
-            self.shards[s.shard_id] = s
-            self._restoring.discard(s.shard_id)
-            self._restored.notify_all()
-
-    def get(self, shard: int) -> Shard:
-        s = self.shards.get(shard)
-        if s is None:
-            if shard in self.assigned:
-                raise FailedPrecondition(f"shard {shard} is not initialised yet")
-            raise NotFound(f"this parameter server does not hold shard {shard} (holds {sorted(self.assigned)})")
-        return s
-
-    def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str,
-               restore_wait_s: float = 300.0) -> tuple[Shard, bool]:
-        with self._lock:
-            if not self._restored.wait_for(lambda: shard not in self._restoring, timeout=restore_wait_s):
-                raise Unavailable(f"shard {shard} is still being restored from a checkpoint")
-            existing = self.shards.get(shard)
-            if existing is not None:
-                if existing.fingerprint != fingerprint:
-                    raise FailedPrecondition(
-                        f"shard {shard} holds model layout {existing.fingerprint}, not {fingerprint}")
-                return existing, False
-            if shard not in self.assigned or self.job is None:
-                raise Unavailable(f"shard {shard} is not assigned to this parameter server (yet)")
-            s = Shard(shard, values, optimizer, rule_for(self.job), fingerprint)
-            s.set_live_workers(self.live_workers)
-            self.shards[shard] = s
-            log.info("shard %d initialised: %d elements, %s, mode %s", shard, s.numel,
-                     optimizer.name, self.job.mode)
-            return s, True
-
-    def set_view(self, workers: frozenset[str], completed_epochs: int) -> None:
-        with self._lock:
-            self.live_workers = workers
-            self.completed_epochs = max(self.completed_epochs, completed_epochs)
-            shards = list(self.shards.values())
-        for s in shards:
-            s.set_live_workers(workers)
-
-    def count(self, inbound: int = 0, outbound: int = 0) -> None:
-        with self._lock:
-            self.bytes_in += inbound
-            self.bytes_out += outbound
 
 
 class DataServicer:
@@ -114,7 +41,40 @@ class DataServicer:
             "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),
             "PushOne": grpc.unary_unary_rpc_method_handler(self.PushOne),
             "PullOne": grpc.unary_unary_rpc_method_handler(self.PullOne),
+            "Replicate": grpc.stream_unary_rpc_method_handler(self.Replicate),
+            "ReplicateOne": grpc.unary_unary_rpc_method_handler(self.ReplicateOne),
+            "Install": grpc.stream_unary_rpc_method_handler(self.Install),
         })
+
+    # ------------------------------------------------------------ from this shard's primary
+
+    @grpc_errors
+    def Replicate(self, request_iterator: Iterator[bytes], context) -> bytes:
+        sizes: list[int] = []
+
+        def counted():
+            for frame in request_iterator:
+                sizes.append(len(frame))
+                yield frame
+
+        try:
+            head, update = update_from_frames(counted())
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self.host.count(inbound=sum(sizes))
+        return pb.ReplicateReply(version=self.host.replicate(head, update)).SerializeToString()
+
+    def ReplicateOne(self, request: bytes, context) -> bytes:
+        return self.Replicate(iter((request,)), context)
+
+    @grpc_errors
+    def Install(self, request_iterator: Iterator[bytes], context) -> bytes:
+        try:
+            head, data = install_from_frames(request_iterator)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self.host.count(inbound=len(data))
+        return pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
 
     @grpc_errors
     def Init(self, request_iterator: Iterator[bytes], context) -> bytes:
@@ -244,16 +204,20 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
     @grpc_errors
     def Status(self, request, context):
         job = self.host.job
+        mode = job.mode if job else ""
         shard_ids = sorted(self.host.assigned)
-        if not shard_ids:
-            return pb.ShardStatus(shard=-1, mode=job.mode if job else "")
-        sid = shard_ids[0]
+        sid = request.shard if request.by_shard else (shard_ids[0] if shard_ids else -1)
+        if sid < 0:
+            return pb.ShardStatus(shard=-1, mode=mode)
         s = self.host.shards.get(sid)
-        if s is None:
-            return pb.ShardStatus(shard=sid, initialized=False, mode=job.mode if job else "")
+        if s is None or self.host.roles.get(sid) != "primary":
+            return pb.ShardStatus(shard=sid, initialized=False, mode=mode)
+        r = self.host.replicators.get(sid)
         return pb.ShardStatus(shard=sid, initialized=True, version=s.version, numel=s.numel,
-                              mode=job.mode if job else "", pushes_applied=s.stats.pushes_applied,
+                              mode=mode, pushes_applied=s.stats.pushes_applied,
                               pushes_dropped=s.stats.pushes_dropped, bytes_in=self.host.bytes_in,
                               bytes_out=self.host.bytes_out, round_pending=s.round_pending,
                               ledger=[pb.LedgerEpoch(epoch=e.epoch, applied=e.applied, max_count=e.max_count)
-                                      for e in s.ledger_summary()], worker_clocks=s.worker_clocks())
+                                      for e in s.ledger_summary()], worker_clocks=s.worker_clocks(),
+                              backup=r.backup if r else "", backup_state=r.state if r else "none",
+                              promotions=self.host.promotions)

@@ -23,7 +23,7 @@ from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
 from shoal.ps.optim import build_optimizer
 from shoal.config import OptimizerSpec
-from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,17 @@ class PushResult:
     version: int
     reason: str = ""
     duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer step of a shard: everything a backup needs to take the same step."""
+
+    version: int                               # the version it produces
+    grad: torch.Tensor                         # the (averaged) gradient the optimizer steps with
+    keys: tuple[str, ...] = ()                 # idempotency keys it settles
+    batches: tuple[tuple[BatchKey, str], ...] = ()   # ledger entries: batch -> the push that applied it
+    workers: tuple[str, ...] = ()              # whose clocks advance
 
 
 @dataclass
@@ -70,6 +81,10 @@ class Shard:
         self._snapshots: dict[str, tuple[int, bytes]] = {}
         self._freeze: tuple[int, float, float] | None = None   # (held at version, thaw-by time, frozen since)
         self.stats = ShardStats()
+        # Called with each Update before it is applied, lock held (ps/replication.py: forwards it to
+        # the backup). If it raises, the update is not applied and the shard stops taking pushes.
+        self.replicator: Callable[[Update], None] | None = None
+        self.fenced = ""          # why this copy may no longer take pushes (another ps is primary)
 
     @property
     def numel(self) -> int:
@@ -95,6 +110,8 @@ class Shard:
         deadline = self._clock() + wait_s
         with self._cond:
             while True:
+                if self.fenced:
+                    raise Unavailable(f"shard {self.shard_id} here is no longer the primary: {self.fenced}")
                 if key and (key in self._keys or key in self._round_keys):
                     return PushResult(True, self.version, "duplicate key", duplicate=True)
                 if batch is not None:
@@ -139,32 +156,72 @@ class Shard:
             floor = min((self._clocks[w] for w in self._live if w in self._clocks), default=0)
             for w in self._live:
                 self._clocks.setdefault(w, floor)   # a newcomer starts level with the slowest
-            self._maybe_close_round()
+            self._close_round_quietly()
             self._cond.notify_all()
 
     def _maybe_close_round(self) -> None:
-        if self._holding() or not self.rule.round_complete(self._round_workers, self._live):
+        if self.fenced or self._holding() or not self.rule.round_complete(self._round_workers, self._live):
             return
         n = len(self._round_workers)
         assert self._round_sum is not None
-        self._param.grad = self._round_sum.div_(n) if n > 1 else self._round_sum
+        grad = self._round_sum.div_(n) if n > 1 else self._round_sum
+        update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
+                        tuple(sorted(self._round_workers)))
+        if self.replicator is not None:
+            try:
+                self.replicator(update)
+            except Exception as exc:
+                self.fenced = str(exc) or type(exc).__name__
+                log.error("shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
+                          self.shard_id, update.version, self.fenced)
+                self._cond.notify_all()
+                raise
+        self._apply(update)
+        self._round_sum, self._round_workers, self._round_keys = None, set(), []
+        self._round_batches = {}
+        log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
+
+    def _close_round_quietly(self) -> None:
+        """Closes a round that became complete without a push (membership, thaw); a failure is logged."""
+        try:
+            self._maybe_close_round()
+        except Exception:  # noqa: BLE001 - already logged and fenced; nobody to raise to
+            pass
+
+    def _apply(self, u: Update) -> None:
+        """Takes one optimizer step (lock held): the same code on a primary and on its backup."""
+        self._param.grad = u.grad
         self._opt.step()
         self._param.grad = None
-        self.version += 1
+        self.version = u.version
         self.stats.updates += 1
-        for k in self._round_keys:
+        for k in u.keys:
             self._keys[k] = self.version
         while len(self._keys) > KEY_MEMORY:
             self._keys.popitem(last=False)
-        for b, owner in self._round_batches.items():
+        for b, owner in u.batches:
             self.ledger.record(b, owner)
-        for w in self._round_workers:
+        for w in u.workers:
             self._clocks[w] = self._clocks.get(w, 0) + 1
-        self._round_sum, self._round_workers, self._round_keys = None, set(), []
-        self._round_batches = {}
         self._snapshots.clear()
-        log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
         self._cond.notify_all()
+
+    def apply_replica(self, u: Update) -> int:
+        """A backup takes its primary's update; a resent one is a no-op. Returns the version."""
+        if u.grad.shape != (self.numel,):
+            raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, update has {tuple(u.grad.shape)}")
+        with self._cond:
+            if u.version <= self.version:
+                return self.version
+            if u.version != self.version + 1:
+                raise FailedPrecondition(f"shard {self.shard_id} replica is at version {self.version}, "
+                                         f"cannot apply update to {u.version}: needs a fresh copy")
+            self._apply(u)
+            return self.version
+
+    def exclusive(self) -> threading.Condition:
+        """The shard's lock, for a replicator that must see no update between two steps."""
+        return self._cond
 
     # ------------------------------------------------------------ reads
 
@@ -256,7 +313,7 @@ class Shard:
                 return 0.0
             held = self._clock() - self._freeze[2]
             self._freeze = None
-            self._maybe_close_round()
+            self._close_round_quietly()
             self._cond.notify_all()
             return held
 
@@ -267,6 +324,33 @@ class Shard:
                               self.optimizer_spec.name, dict(self.optimizer_spec.hparams),
                               copy.deepcopy(self._opt.state_dict()), self.version,
                               {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint})
+
+    def export_replica(self) -> dict:
+        """Everything a new backup needs to continue as this shard's copy (lock held by the caller or not)."""
+        with self._cond:
+            state = self.export_state()
+            return {"state": state, "keys": list(self._keys.items()), "clocks": dict(self._clocks)}
+
+    @classmethod
+    def from_replica(cls, replica: dict, rule: Rule, clock: Callable[[], float] = time.monotonic) -> "Shard":
+        state = replica["state"]
+        s = cls.from_state(state, rule, state.extra["fingerprint"], clock)
+        s._keys = collections.OrderedDict((str(k), int(v)) for k, v in replica["keys"])
+        s._clocks = {str(k): int(v) for k, v in replica["clocks"].items()}
+        return s
+
+    def digest(self) -> tuple[int, str]:
+        """``(version, sha256)`` of the weights and the optimizer state: equal on identical copies."""
+        import hashlib
+
+        with self._cond:
+            h = hashlib.sha256(self._param.detach().numpy().tobytes())
+            for _, st in sorted(self._opt.state_dict()["state"].items()):
+                for name in sorted(st):
+                    v = st[name]
+                    h.update(name.encode())
+                    h.update(v.detach().cpu().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+            return self.version, h.hexdigest()
 
     @classmethod
     def from_state(cls, state: ShardState, rule: Rule, fingerprint: str,

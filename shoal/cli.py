@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, JobConfig, from_sources, load_yaml
+from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
 from shoal.errors import InvalidArgument, ShoalError, Unavailable
 
@@ -29,14 +29,20 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backup-workers", type=int, default=None, help="sync: close a round without the b slowest")
     p.add_argument("--staleness", type=int, default=None, help="ssp: how many versions a worker may run ahead")
     p.add_argument("--lease-seconds", type=float, default=None, help="drop a member after this long without heartbeat")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="copies of each shard on distinct parameter servers: 1 or 2 (default 2 with 2+ shards)")
+    p.add_argument("--recovery", choices=RECOVERY, default=None,
+                   help="a shard that lost every copy: consistent (default) rolls back to the newest checkpoint, "
+                        "fast goes on from a worker's weights")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards"}
+    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery"}
     return from_sources(JobConfig, yaml_values={k: v for k, v in yaml_values.items() if k in job_keys},
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
-                             "lease_seconds": args.lease_seconds, "num_shards": num_shards})
+                             "lease_seconds": args.lease_seconds, "num_shards": num_shards,
+                             "replicas": args.replicas, "recovery": args.recovery})
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:

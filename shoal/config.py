@@ -16,6 +16,7 @@ import yaml
 from shoal.errors import InvalidArgument
 
 MODES = ("sync", "async", "ssp")
+RECOVERY = ("consistent", "fast")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class JobConfig:
     staleness: int = 0
     num_shards: int = 1
     lease_seconds: float = 3.0
+    replicas: int = 0                 # copies of each shard: 1 or 2; 0 picks 2 when there are 2+ shards
+    recovery: str = "consistent"      # when a shard loses every copy: consistent (checkpoint) or fast
+
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -41,6 +45,12 @@ class JobConfig:
             raise InvalidArgument(f"--num-shards must be >= 1, got {self.num_shards}")
         if not self.lease_seconds > 0:
             raise InvalidArgument(f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        if self.replicas == 0:
+            object.__setattr__(self, "replicas", 2 if self.num_shards >= 2 else 1)
+        if self.replicas not in (1, 2):
+            raise InvalidArgument(f"--replicas must be 1 or 2, got {self.replicas}")
+        if self.recovery not in RECOVERY:
+            raise InvalidArgument(f"--recovery {self.recovery!r} is not one of {', '.join(RECOVERY)}")
 
 
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {

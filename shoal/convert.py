@@ -34,12 +34,14 @@ def counters_from_pb(msg: pb.Counters) -> Counters:
 
 def job_to_pb(job: JobConfig) -> pb.JobConfig:
     return pb.JobConfig(mode=job.mode, backup_workers=job.backup_workers, staleness=job.staleness,
-                        num_shards=job.num_shards, lease_seconds=job.lease_seconds)
+                        num_shards=job.num_shards, lease_seconds=job.lease_seconds, replicas=job.replicas,
+                        recovery=job.recovery)
 
 
 def job_from_pb(msg: pb.JobConfig) -> JobConfig:
     return JobConfig(mode=msg.mode, backup_workers=msg.backup_workers, staleness=msg.staleness,
-                     num_shards=msg.num_shards, lease_seconds=msg.lease_seconds)
+                     num_shards=msg.num_shards, lease_seconds=msg.lease_seconds, replicas=msg.replicas,
+                     recovery=msg.recovery or "consistent")
 
 
 def view_to_pb(view: View) -> pb.ClusterView:
@@ -49,7 +51,8 @@ def view_to_pb(view: View) -> pb.ClusterView:
                                state=m.state.value, counters=counters_to_pb(m.counters),
                                step_seconds=view.step_seconds.get(m.member_id, 0.0),
                                straggler=m.member_id in view.stragglers) for m in view.members],
-        shards=[pb.ShardRoute(shard=r.shard, primary_id=r.member_id, primary_address=r.address) for r in view.routes],
+        shards=[pb.ShardRoute(shard=r.shard, primary_id=r.member_id, primary_address=r.address,
+                                    backup_id=r.backup_id, backup_address=r.backup_address) for r in view.routes],
         ready=view.ready, job=job_to_pb(view.job), layout_fingerprint=view.fingerprint,
         completed_epochs=view.completed_epochs)
 

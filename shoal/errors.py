@@ -54,3 +54,8 @@ class PermissionDenied(ShoalError):
     """The caller may not do this (a push for a task it does not hold, a bad token)."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+# In a refusal of a worker's call by a ps that holds no primary copy of the shard:
+# the worker re-reads the cluster view and follows the shard to its primary.
+NOT_PRIMARY = "not the primary"

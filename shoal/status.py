@@ -24,11 +24,14 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
         ch.close()
     shards = []
     for route in view.shards:
-        entry: dict[str, Any] = {"shard": route.shard, "primary": route.primary_id, "address": route.primary_address}
+        entry: dict[str, Any] = {"shard": route.shard, "primary": route.primary_id, "address": route.primary_address,
+                                 "backup": route.backup_id}
         sch = open_channel(route.primary_address)
         try:
-            st = pb_grpc.ParameterServerStub(sch).Status(pb.Empty(), timeout=timeout_s)
+            st = pb_grpc.ParameterServerStub(sch).Status(pb.StatusRequest(shard=route.shard, by_shard=True),
+                                                         timeout=timeout_s)
             entry.update(version=st.version, numel=st.numel, applied=st.pushes_applied, dropped=st.pushes_dropped,
+                         backup_state=st.backup_state,
                          round_pending=st.round_pending, clocks=dict(st.worker_clocks),
                          ledger=[{"epoch": e.epoch, "batches": e.applied, "max_count": e.max_count}
                                  for e in st.ledger])

@@ -30,6 +30,14 @@ class InProcessCluster:
         self.chief_address = self.chief.address
         self.servers = [PSServer(self.chief_address, bind="127.0.0.1:0").start() for _ in range(num_ps)]
 
+    def kill_ps(self, i: int) -> None:
+        """Parameter server ``i`` dies as a process would on SIGKILL: no goodbye, its lease runs out."""
+        ps = self.servers[i]
+        ps.server.stop(0).wait()
+        ps.chief.close()          # heartbeats stop; no Leave
+        ps.host.close()
+        ps.killed = True
+
     def stop_chief(self) -> None:
         self.chief.stop(grace_s=0.2)
 
@@ -41,7 +49,8 @@ class InProcessCluster:
 
     def stop(self) -> None:
         for s in self.servers:
-            s.stop(grace_s=0.5)
+            if not getattr(s, "killed", False):
+                s.stop(grace_s=0.5)
         self.chief.stop(grace_s=0.5)
 
     def __enter__(self) -> "InProcessCluster":

@@ -21,6 +21,9 @@ PUSH = f"/{DATA_SERVICE}/Push"
 PULL = f"/{DATA_SERVICE}/Pull"
 PUSH_ONE = f"/{DATA_SERVICE}/PushOne"
 PULL_ONE = f"/{DATA_SERVICE}/PullOne"
+REPLICATE = f"/{DATA_SERVICE}/Replicate"
+REPLICATE_ONE = f"/{DATA_SERVICE}/ReplicateOne"
+INSTALL = f"/{DATA_SERVICE}/Install"
 
 # Pull payload encodings (weights, not gradients: no error feedback needed).
 PULL_ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2}
@@ -83,3 +86,6 @@ class DataStubs:
         self.pull = channel.unary_stream(PULL)
         self.push_one = channel.unary_unary(PUSH_ONE)
         self.pull_one = channel.unary_unary(PULL_ONE)
+        self.replicate = channel.stream_unary(REPLICATE)
+        self.replicate_one = channel.unary_unary(REPLICATE_ONE)
+        self.install = channel.stream_unary(INSTALL)

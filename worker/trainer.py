@@ -23,19 +23,39 @@ from shoal.chief.membership import Counters
 from shoal.chief.tasks import DatasetSpec, Task
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
-from shoal.errors import InvalidArgument
+from shoal.errors import NOT_PRIMARY, InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.memory import tune_malloc
 from shoal.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
+
 from shoal.worker.ps_client import ShardClient, is_uninitialised
 from shoal.worker.push import GradientEncoder
 
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def is_failover(exc: grpc.RpcError) -> bool:
+    """The shard's server is gone, or is not (any more) the shard's primary: re-read the view."""
+    details = exc.details() or ""
+    return (exc.code() == grpc.StatusCode.UNAVAILABLE
+            or (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NOT_PRIMARY in details)
+            or (exc.code() == grpc.StatusCode.NOT_FOUND and "does not hold shard" in details))
+
+
+@dataclass(frozen=True)
+class _SentPush:
+    """One shard's encoded push of the current step, kept to re-send it after a failover."""
+
+    chunks: list
+    version: int
+    key: str
+    samples: int
+    extra: dict
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,10 @@ class Trainer:
         self.step_count = 0
         self._feed: TaskFeed | None = None
         self._step_versions = dict(self.versions)
+        self._sent: dict[int, _SentPush] = {}
+        self._reroute_lock = threading.Lock()
+        self.failover_timeout_s = 120.0
+        self.failovers = 0
         self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
                                         self._launch_push) if overlap else None
         self._initialise_or_pull()
@@ -178,8 +202,8 @@ class Trainer:
         # was late somewhere (a backup-worker round closed without it) moves on at once instead;
         # waiting on the shards that did take it could deadlock against workers late elsewhere.
         in_round = self.mode == "sync" and all(r.accepted and not r.duplicate for r in replies.values())
-        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version),
-                            self._clients))
+        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
+                                                       resend=True), list(self._clients)))
         replies = list(replies.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
@@ -213,14 +237,20 @@ class Trainer:
     def _push(self, shard: int, version: int, key_base: str, samples: int,
               batch: "BatchContext | None") -> pb.PushReply:
         a, b = self.plan.ranges[shard]
-        client = self._clients[shard]
-        chunks = self.encoder.encode(shard, self.flat_grads[a:b], client.chunk_bytes)
-        extra = batch.header_fields() if batch is not None else {}
+        chunks = self.encoder.encode(shard, self.flat_grads[a:b], self._clients[shard].chunk_bytes)
+        sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples,
+                         batch.header_fields() if batch is not None else {})
+        self._sent[shard] = sent
+        return self._send(shard, sent)
+
+    def _send(self, shard: int, p: "_SentPush") -> pb.PushReply:
+        """Sends (or, after a failover, re-sends) one encoded push; the key keeps it from applying twice."""
         while True:
+            client = self._clients[shard]
             try:
-                reply, sent = client.push(chunks, worker=self.member_id, version=version, key=f"{key_base}/{shard}",
+                reply, sent = client.push(p.chunks, worker=self.member_id, version=p.version, key=p.key,
                                           view_epoch=self.chief.view.epoch if self.chief.view else 0,
-                                          samples=samples, **extra)
+                                          samples=p.samples, **p.extra)
                 break
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "is over" in (exc.details() or ""):
@@ -228,24 +258,71 @@ class Trainer:
                     # worker already finished the epoch: nothing to apply, skip the batch
                     log.info("shard %d: %s; skipping the batch", shard, exc.details())
                     return pb.PushReply(accepted=False, duplicate=True, reason=exc.details())
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
+                    log.info("shard %d: %s; retrying", shard, exc.details())
+                    continue
+                if not is_failover(exc):
                     raise
-                log.info("shard %d: %s; retrying", shard, exc.details())
+                self._reroute(shard, client, exc)
         self._count(pushed=sent)
         return reply
 
-    def _pull_shard(self, shard: int, min_version: int = 0) -> None:
+    def _reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
+        """The shard's server failed or is no longer its primary: follow the view to the one that is.
+
+        Waits for a view naming another primary; if none comes within two leases
+        (a blip, not a death) it tries the same server again. Gives up after
+        ``failover_timeout_s``.
+        """
+        with self._reroute_lock:
+            if self._clients[shard] is not failed:          # another thread already moved this shard
+                return
+            deadline = time.monotonic() + self.failover_timeout_s
+            patience = time.monotonic() + 2 * max(self.chief.lease_seconds, 1.0)
+            log.warning("shard %d: %s at %s (%s); looking for its primary", shard, exc.code().name,
+                        failed.address, (exc.details() or "")[:120])
+            while True:
+                try:
+                    view = self.chief.refresh_view()
+                except grpc.RpcError:
+                    view = self.chief.view
+                route = next((r for r in view.shards if r.shard == shard), None) if view else None
+                now = time.monotonic()
+                if route is not None and (route.primary_address != failed.address or now >= patience):
+                    break
+                if now >= deadline:
+                    raise exc
+                time.sleep(0.05)
+            if route.primary_address != failed.address:
+                log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)
+            self._clients[shard] = ShardClient(shard, route.primary_address, failed.numel, failed.fingerprint,
+                                               failed.chunk_bytes)
+            self.failovers += 1
+            failed.close()
+
+    def _pull_shard(self, shard: int, min_version: int = 0, resend: bool = False) -> None:
+        """Pulls shard's weights at ``min_version`` or later. ``resend``: after a failover, push this
+        step's gradient again first (the new primary may not have it; if it has, the key says so)."""
         a, b = self.plan.ranges[shard]
         target = self.flat_weights[a:b]
         buf = target if target.device.type == "cpu" else torch.empty(b - a, dtype=torch.float32)
         while True:
+            client = self._clients[shard]
             try:
-                version, got = self._clients[shard].pull(buf, min_version, self.pull_codec)
+                version, got = client.pull(buf, min_version, self.pull_codec)
                 break
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    log.info("shard %d: still waiting for version %d", shard, min_version)
+                    continue
+                if not is_failover(exc):
                     raise
-                log.info("shard %d: still waiting for version %d", shard, min_version)
+                self._reroute(shard, client, exc)
+                sent = self._sent.get(shard)
+                if resend and sent is not None:
+                    reply = self._send(shard, sent)
+                    if not reply.accepted and not reply.duplicate:   # the new primary closed that round
+                        min_version = min(min_version, reply.version)
         if buf is not target:
             target.copy_(buf, non_blocking=True)
         self.versions[shard] = version

@@ -69,9 +69,10 @@ def interrupted(tmp_path_factory):
     try:
         models = [mlp(0), mlp(1)]
         trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
-        run_threads(*[lambda t=t, m=m: train(t, m, max_steps=BATCHES // 4, delay_s=0.03) for t, m in zip(trainers, models)])
-        for t in trainers:
-            t.close()
+        def half(t, m):
+            train(t, m, max_steps=BATCHES // 4, delay_s=0.03)
+            t.close()        # leave at once: a sync round must not wait for a worker that stopped stepping
+        run_threads(*[lambda t=t, m=m: half(t, m) for t, m in zip(trainers, models)])
         pauses = list(c.chief.checkpointer.pauses)
     finally:
         c.stop()
@@ -105,7 +106,10 @@ def test_resume_on_three_shards_restores_weights_and_skips_done_work(interrupted
         t.close()
         stats = job_stats(c)
         assert stats.tasks_done == stats.tasks_total
-        assert t.step_count <= BATCHES - ckpt.meta["tasks_done"] * 4 and t.step_count > 0
+        # task progress reaches the chief with heartbeats, so batches the cut holds may be trained again
+        # (their pushes are refused as duplicates, as the ledger check below shows): at most the
+        # unfinished tasks of the two workers, four batches each
+        assert 0 < t.step_count <= BATCHES - ckpt.meta["tasks_done"] * 4 + 2 * 4
         for ps in c.servers:                               # restored ledger + the rest: each batch once
             for shard in ps.host.shards.values():
                 for e in range(EPOCHS):

@@ -6,7 +6,8 @@ import torch
 from shoal import frames
 from shoal.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
-from shoal.ps.servicer import DataServicer, ShardHost
+from shoal.ps.host import ShardHost
+from shoal.ps.servicer import DataServicer
 from shoal.rpc import create_server, open_channel
 from shoal.worker.ps_client import ShardClient
 

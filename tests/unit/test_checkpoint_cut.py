@@ -21,7 +21,7 @@ from shoal.ps.checkpoint import list_checkpoints, load_latest
 from shoal.ps.checkpoint_servicer import ShardControlServicer
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
-from shoal.ps.servicer import ShardHost
+from shoal.ps.host import ShardHost
 from shoal.ps.shard import Shard
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})

@@ -165,7 +165,9 @@ def test_recovery_bumps_the_epoch_renews_leases_and_keeps_identities(clock):
     clock.advance(1.0)
     gone = {m.member_id for m in back.tick()}                     # those that did not come back expire as usual
     assert gone == {p0.member_id, w1.member_id}
-    assert back.tasks.held_by(w1.member_id) == [] and back.routing == {1: p1.member_id}
+    assert back.tasks.held_by(w1.member_id) == []
+    assert back.routing == {0: p1.member_id, 1: p1.member_id}    # p0's shard went to its backup, p1
+    assert back.backups == {}                                     # and nobody is left to back them up
 
 
 # ---------------------------------------------------------------- journal

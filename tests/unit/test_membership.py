@@ -39,7 +39,7 @@ def test_rejoin_after_expiry_keeps_identity_and_counters(clock):
 
 
 def test_view_epoch_changes_with_membership_and_routing(clock):
-    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0), clock)
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0, replicas=1), clock)
     e0 = s.epoch
     p0, shard0 = s.join_ps("h:1")
     p1, shard1 = s.join_ps("h:2")
@@ -56,6 +56,51 @@ def test_view_epoch_changes_with_membership_and_routing(clock):
     assert s.epoch > e1 and not v.ready and [r.shard for r in v.routes] == [0]
     p2, shard2 = s.join_ps("h:3")
     assert shard2 == 1 and s.view().ready
+
+
+def routes(s):
+    return {r.shard: (r.member_id, r.backup_id) for r in s.view().routes}
+
+
+def test_each_shard_gets_a_backup_on_another_ps_and_a_dead_primary_is_replaced_by_it(clock):
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0), clock)
+    assert s.job.replicas == 2                                   # the default with two or more shards
+    p0, _ = s.join_ps("h:1")
+    assert routes(s) == {0: (p0.member_id, "")}                  # nobody to back it up yet
+    p1, _ = s.join_ps("h:2")
+    assert routes(s) == {0: (p0.member_id, p1.member_id), 1: (p1.member_id, p0.member_id)}
+    e = s.epoch
+    clock.advance(1.5)
+    s.heartbeat(p1.member_id)
+    clock.advance(1.0)
+    assert [m.member_id for m in s.tick()] == [p0.member_id]
+    assert s.epoch > e and s.view().ready                        # promoted: the job never lacks a primary
+    assert routes(s) == {0: (p1.member_id, ""), 1: (p1.member_id, "")}
+    p2, shard = s.join_ps("h:3")                                 # a restarted ps: no free shard, backs up both
+    assert shard == -1
+    assert routes(s) == {0: (p1.member_id, p2.member_id), 1: (p1.member_id, p2.member_id)}
+    s.leave(p2.member_id)
+    assert routes(s) == {0: (p1.member_id, ""), 1: (p1.member_id, "")}
+    s.leave(p1.member_id)                                        # the last copy of both shards
+    assert routes(s) == {} and s.lost == [0, 1] and not s.view().ready
+    p3, shard = s.join_ps("h:4")
+    assert shard == 0 and routes(s) == {0: (p3.member_id, "")}
+
+
+def test_backups_spread_over_three_servers_and_survive_a_journal_round_trip(clock):
+    s = ChiefState(JobConfig(num_shards=3), clock)
+    ps = [s.join_ps(f"h:{i}")[0].member_id for i in range(3)]
+    r = routes(s)
+    assert [r[k][0] for k in range(3)] == ps
+    assert all(r[k][1] and r[k][1] != r[k][0] for k in range(3))
+    back = ChiefState.from_dict(s.to_dict(), clock)
+    assert routes(back) == r and back.backups == s.backups
+
+
+def test_one_replica_assigns_no_backups(clock):
+    s = ChiefState(JobConfig(num_shards=2, replicas=1), clock)
+    s.join_ps("h:1"), s.join_ps("h:2"), s.join_ps("h:3")
+    assert all(b == "" for _, b in routes(s).values())
 
 
 def test_worker_with_different_layout_is_refused_with_the_difference(clock):

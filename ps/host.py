@@ -1,0 +1,220 @@
+"""The shards one ps process holds, as primary or as backup, kept in line with the chief's view.
+
+Roles follow the view (:meth:`ShardHost.set_view`): a backup named primary is
+promoted in place (it already holds every acknowledged update); a primary the
+view no longer names is fenced and dropped; a primary gets a
+:class:`~shoal.ps.replication.Replicator` aimed at whatever backup the view
+names. Worker calls reach primaries only (:meth:`ShardHost.get`); a backup's
+copy changes only through :meth:`replicate` and :meth:`install`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from shoal.config import JobConfig, OptimizerSpec
+from shoal.errors import NOT_PRIMARY, FailedPrecondition, NotFound, Unavailable
+from shoal.proto import shoal_pb2 as pb
+from shoal.ps.consistency import rule_for
+from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, replica_from_bytes
+from shoal.ps.shard import Shard, Update
+
+log = logging.getLogger(__name__)
+
+PRIMARY, BACKUP = "primary", "backup"
+
+
+class ShardHost:
+    """The shards of one ps process, keyed by shard id, plus their byte counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.member_id = ""
+        self.job: JobConfig | None = None
+        self.assigned: set[int] = set()               # shards this process is primary of
+        self.shards: dict[int, Shard] = {}            # every copy held, primary or backup
+        self.roles: dict[int, str] = {}
+        self.replicators: dict[int, Replicator] = {}
+        self.primary_of: dict[int, str] = {}          # from the latest view
+        self.live_workers: frozenset[str] = frozenset()
+        self.secret: bytes = b""
+        self.completed_epochs = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.promotions = 0
+        self._restoring: set[int] = set()             # shards being loaded from a checkpoint
+        self._restored = threading.Condition(self._lock)
+
+    # ------------------------------------------------------------ primaries
+
+    def assign(self, shard: int, job: JobConfig, restoring: bool = False) -> None:
+        """This process is ``shard``'s primary. ``restoring``: the shard is loaded from a checkpoint next;
+        an Init waits for it (see :meth:`install`)."""
+        with self._lock:
+            self.job = job
+            self.assigned.add(shard)
+            self.roles[shard] = PRIMARY
+            if restoring:
+                self._restoring.add(shard)
+
+    def install(self, s: Shard) -> None:
+        """Puts a shard restored from a checkpoint in place and wakes the Inits that waited for it."""
+        with self._lock:
+            self._place(s, PRIMARY)
+            self._restoring.discard(s.shard_id)
+            self._restored.notify_all()
+
+    def _place(self, s: Shard, role: str) -> None:
+        """Installs a copy (lock held); a primary copy gets its replicator."""
+        s.set_live_workers(self.live_workers)
+        self.shards[s.shard_id] = s
+        self.roles[s.shard_id] = role
+        if role == PRIMARY:
+            s.replicator = self._replicator(s.shard_id)
+
+    def _replicator(self, shard: int) -> Replicator:
+        r = self.replicators.get(shard)
+        if r is None:
+            r = Replicator(shard, lambda: self.member_id, lambda: self._primary_copy(shard))
+            self.replicators[shard] = r
+        return r
+
+    def _primary_copy(self, shard: int) -> Shard | None:
+        s = self.shards.get(shard)
+        return s if s is not None and self.roles.get(shard) == PRIMARY else None
+
+    def get(self, shard: int) -> Shard:
+        """The primary copy of ``shard`` for a worker's call; the errors tell the worker what to do."""
+        s = self.shards.get(shard)
+        role = self.roles.get(shard)
+        if role == BACKUP:
+            raise FailedPrecondition(f"this ps is {NOT_PRIMARY} of shard {shard} (it holds its backup); "
+                                     f"the primary is {self.primary_of.get(shard, '?')}")
+        if s is None:
+            if shard in self.assigned:
+                raise FailedPrecondition(f"shard {shard} is not initialised yet")
+            raise NotFound(f"this parameter server does not hold shard {shard} (holds {sorted(self.assigned)})")
+        if s.fenced:
+            raise Unavailable(f"shard {shard} here is {NOT_PRIMARY} any more: {s.fenced}")
+        return s
+
+    def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str,
+               restore_wait_s: float = 300.0) -> tuple[Shard, bool]:
+        with self._lock:
+            if not self._restored.wait_for(lambda: shard not in self._restoring, timeout=restore_wait_s):
+                raise Unavailable(f"shard {shard} is still being restored from a checkpoint")
+            existing = self.shards.get(shard)
+            if existing is not None and self.roles.get(shard) == PRIMARY:
+                if existing.fingerprint != fingerprint:
+                    raise FailedPrecondition(
+                        f"shard {shard} holds model layout {existing.fingerprint}, not {fingerprint}")
+                return existing, False
+            if shard not in self.assigned or self.job is None:
+                raise Unavailable(f"shard {shard} is not assigned to this parameter server (yet)")
+            s = Shard(shard, values, optimizer, rule_for(self.job), fingerprint)
+            self._place(s, PRIMARY)
+            log.info("shard %d initialised: %d elements, %s, mode %s", shard, s.numel,
+                     optimizer.name, self.job.mode)
+            return s, True
+
+    # ------------------------------------------------------------ backups
+
+    def _check_sender(self, shard: int, primary_id: str) -> None:
+        known = self.primary_of.get(shard)
+        if known is not None and known != primary_id:
+            raise FailedPrecondition(f"shard {shard}'s {FENCED} {known}, not {primary_id}")
+        if self.roles.get(shard) == PRIMARY and shard in self.shards:
+            raise FailedPrecondition(f"shard {shard}'s {FENCED} {self.member_id} (this ps), not {primary_id}")
+
+    def replicate(self, head: pb.ReplicateHeader, u: Update) -> int:
+        with self._lock:
+            self._check_sender(head.shard, head.primary_id)
+            s = self.shards.get(head.shard)
+        if s is None:
+            raise FailedPrecondition(f"no copy of shard {head.shard} here: {NEEDS_COPY}")
+        try:
+            return s.apply_replica(u)
+        except FailedPrecondition as exc:
+            raise FailedPrecondition(f"{exc} ({NEEDS_COPY})") from None
+
+    def install_copy(self, head: pb.InstallHeader, data: bytes) -> int:
+        """A primary sends this backup a whole copy of its shard."""
+        with self._lock:
+            self._check_sender(head.shard, head.primary_id)
+            job = self.job
+        if job is None:
+            raise Unavailable("this ps has not joined the job yet")
+        s = Shard.from_replica(replica_from_bytes(data), rule_for(job))
+        with self._lock:
+            self._check_sender(head.shard, head.primary_id)
+            self._place(s, BACKUP)
+        log.info("shard %d: holding a backup copy from %s at version %d", s.shard_id, head.primary_id, s.version)
+        return s.version
+
+    # ------------------------------------------------------------ the view
+
+    def set_view(self, workers: frozenset[str], completed_epochs: int,
+                 routes: list[pb.ShardRoute] | None = None) -> None:
+        with self._lock:
+            self.live_workers = workers
+            self.completed_epochs = max(self.completed_epochs, completed_epochs)
+            targets = self._apply_routes(routes) if routes is not None else []
+            shards = list(self.shards.values())
+        # Aim the replicators first: a primary may be holding its lock while it waits for exactly this
+        # (its dead backup to be replaced), and set_live_workers needs that lock.
+        for r, backup_id, backup_address in targets:
+            r.set_target(backup_id, backup_address)
+        for s in shards:
+            s.set_live_workers(workers)
+
+    def _apply_routes(self, routes: list[pb.ShardRoute]) -> list[tuple[Replicator, str, str]]:
+        """Roles from the view (lock held); returns the replicators to aim, outside the lock."""
+        targets = []
+        named = set()
+        for route in routes:
+            k = route.shard
+            named.add(k)
+            self.primary_of[k] = route.primary_id
+            if route.primary_id == self.member_id:
+                if self.roles.get(k) == BACKUP and k in self.shards:
+                    self.promotions += 1
+                    log.warning("shard %d: promoted to primary at version %d", k, self.shards[k].version)
+                self.assigned.add(k)
+                self.roles[k] = PRIMARY
+                s = self.shards.get(k)
+                r = self._replicator(k)
+                if s is not None:
+                    s.replicator = r
+                targets.append((r, route.backup_id, route.backup_address))
+            elif route.backup_id == self.member_id:
+                if self.roles.get(k) == PRIMARY:
+                    self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its backup")
+                self.roles[k] = BACKUP
+            elif k in self.shards or k in self.roles:
+                self._drop_copy(k, f"the view names {route.primary_id} primary")
+        return targets
+
+    def _drop_copy(self, shard: int, why: str) -> None:
+        s = self.shards.pop(shard, None)
+        if s is not None:
+            s.fenced = why
+        r = self.replicators.pop(shard, None)
+        if r is not None:
+            r.close()
+        self.roles.pop(shard, None)
+        self.assigned.discard(shard)
+        if s is not None:
+            log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+
+    def close(self) -> None:
+        with self._lock:
+            reps = list(self.replicators.values())
+        for r in reps:
+            r.close()
+
+    def count(self, inbound: int = 0, outbound: int = 0) -> None:
+        with self._lock:
+            self.bytes_in += inbound
+            self.bytes_out += outbound

@@ -1,0 +1,288 @@
+"""Primary -> backup replication of one shard.
+
+A primary hands every :class:`~shoal.ps.shard.Update` to its shard's
+:class:`Replicator` before applying it (the shard lock is held, so updates
+leave in version order). The replicator sends it to the backup and returns
+once the backup has applied it: a version is never visible (pulled, or
+acknowledged to a pushing worker) before the backup holds it, so promoting
+the backup loses no acknowledged update.
+
+A new backup first receives a whole copy (:meth:`Replicator._install`, in a
+background thread, training goes on); updates made meanwhile queue up and
+follow it, then forwarding turns synchronous.
+
+When the backup cannot be reached the replicator keeps retrying until the
+chief's view drops it (its lease expired) and names a new one or none: it
+never silently acknowledges without a backup the view still lists. A backup
+that answers "the primary is someone else" has been promoted over this copy:
+the update raises, and the shard is fenced.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+import torch
+
+from shoal import frames
+from shoal.errors import Unavailable
+from shoal.proto import shoal_pb2 as pb
+from shoal.ps.checkpoint_store import ShardState
+from shoal.ps.ledger import BatchKey
+from shoal.ps.shard import Shard, Update
+from shoal.rpc import open_channel
+from shoal.wire import DataStubs
+
+log = logging.getLogger(__name__)
+
+FENCED = "primary is"          # in a backup's refusal: another ps is the primary now
+NEEDS_COPY = "needs a fresh copy"
+
+
+# ---------------------------------------------------------------- encoding
+
+def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> list[bytes]:
+    """One update as frames: the first carries keys, ledger entries and workers; all carry a grad chunk."""
+    raw = frames.tensor_bytes(u.grad)
+    numel = u.grad.numel()
+    per = max(1, chunk_bytes // 4)
+    out, off = [], 0
+    while True:
+        n = min(per, numel - off)
+        head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=off, numel=n,
+                                  shard_numel=numel)
+        if off == 0:
+            head.keys.extend(u.keys)
+            head.workers.extend(u.workers)
+            head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
+        out.append(frames.pack(head, raw[off * 4:(off + n) * 4]))
+        off += n
+        if off >= numel:
+            return out
+
+
+def update_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.ReplicateHeader, Update]:
+    first, grad, covered = None, None, 0
+    for frame in frame_iter:
+        head, payload = frames.unpack(frame, pb.ReplicateHeader)
+        if first is None:
+            first = head
+            grad = torch.empty(head.shard_numel, dtype=torch.float32)
+        if (head.shard, head.version, head.shard_numel) != (first.shard, first.version, first.shard_numel) \
+                or head.offset != covered or head.offset + head.numel > first.shard_numel:
+            raise ValueError(f"replicate chunk [{head.offset}, +{head.numel}) does not continue at {covered}")
+        grad[head.offset:head.offset + head.numel] = frames.fp32_from(payload, head.numel)
+        covered += head.numel
+    if first is None or covered != first.shard_numel:
+        raise ValueError(f"replicated update covers {covered} of {first.shard_numel if first else '?'} elements")
+    batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in first.batches)
+    return first, Update(first.version, grad, tuple(first.keys), batches, tuple(first.workers))
+
+
+def replica_bytes(replica: dict) -> bytes:
+    """A :meth:`Shard.export_replica` as bytes (torch.save of plain values: loads with weights_only)."""
+    st: ShardState = replica["state"]
+    obj = {"shard": st.shard, "start": st.start, "stop": st.stop, "values": st.values, "optimizer": st.optimizer,
+           "hparams": dict(st.hparams), "opt_state": st.opt_state, "version": st.version, "extra": st.extra,
+           "keys": [[k, v] for k, v in replica["keys"]], "clocks": replica["clocks"]}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def replica_from_bytes(data: bytes) -> dict:
+    obj = torch.load(io.BytesIO(data), weights_only=True)
+    state = ShardState(obj["shard"], obj["start"], obj["stop"], obj["values"], obj["optimizer"], obj["hparams"],
+                       obj["opt_state"], obj["version"], obj["extra"])
+    return {"state": state, "keys": obj["keys"], "clocks": obj["clocks"]}
+
+
+def install_frames(shard: int, primary_id: str, version: int, fingerprint: str, data: bytes,
+                   chunk_bytes: int) -> Iterator[bytes]:
+    for off in range(0, max(1, len(data)), chunk_bytes):
+        head = pb.InstallHeader(shard=shard, version=version, primary_id=primary_id, offset=off,
+                                total_bytes=len(data), layout_fingerprint=fingerprint)
+        yield frames.pack(head, data[off:off + chunk_bytes])
+
+
+def install_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.InstallHeader, bytes]:
+    first, parts, covered = None, [], 0
+    for frame in frame_iter:
+        head, payload = frames.unpack(frame, pb.InstallHeader)
+        first = first or head
+        if head.offset != covered or head.shard != first.shard:
+            raise ValueError(f"install chunk at {head.offset} does not continue at {covered}")
+        parts.append(bytes(payload))
+        covered += len(payload)
+    if first is None or covered != first.total_bytes:
+        raise ValueError(f"install carried {covered} of {first.total_bytes if first else '?'} bytes")
+    return first, b"".join(parts)
+
+
+# ---------------------------------------------------------------- the primary's side
+
+class Replicator:
+    """Forwards one primary shard's updates to its backup (see the module docstring)."""
+
+    def __init__(self, shard_id: int, member_id: Callable[[], str], find_shard: Callable[[], Shard | None],
+                 chunk_bytes: int = 1 << 20, retry_s: float = 0.05, timeout_s: float = 30.0):
+        self.shard_id = shard_id
+        self._member_id = member_id
+        self._find_shard = find_shard
+        self._chunk_bytes = chunk_bytes
+        self._retry_s = retry_s
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._target: tuple[str, str] | None = None       # (member id, address) of the backup
+        self._channel: grpc.Channel | None = None
+        self._stubs: DataStubs | None = None
+        self._state = "none"                             # none | installing | in_sync
+        self._pending: list[Update] = []
+        self._generation = 0
+        self._stop = threading.Event()
+        self.installs = 0
+        self.forwarded = 0
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def backup(self) -> str:
+        return self._target[0] if self._target else ""
+
+    def set_target(self, member_id: str, address: str) -> None:
+        """The view names this shard's backup (empty: none). A new one gets a full copy first."""
+        target = (member_id, address) if member_id else None
+        with self._lock:
+            if target == self._target:
+                return
+            if self._channel is not None:
+                self._channel.close()
+            self._target, self._generation, self._pending = target, self._generation + 1, []
+            self._channel = open_channel(address) if target else None
+            self._stubs = DataStubs(self._channel) if self._channel is not None else None
+            self._state = "installing" if target else "none"
+            gen = self._generation
+        if target is None:
+            log.warning("shard %d: no backup; updates are acknowledged by this primary alone", self.shard_id)
+            return
+        log.info("shard %d: new backup %s at %s; sending it a copy", self.shard_id, *target)
+        threading.Thread(target=self._install, args=(gen,), name=f"install-{self.shard_id}", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._generation += 1
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stubs = None
+            self._target, self._state = None, "none"
+
+    # ------------------------------------------------------------ forwarding (shard lock held)
+
+    def __call__(self, u: Update) -> None:
+        warned = False
+        while True:
+            with self._lock:
+                gen, state, stubs = self._generation, self._state, self._stubs
+                if state == "none" or stubs is None:
+                    return
+                if state == "installing":
+                    self._pending.append(u)
+                    return
+            try:
+                self._send(stubs, u)
+                self.forwarded += 1
+                return
+            except grpc.RpcError as exc:
+                details = exc.details() or ""
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and FENCED in details:
+                    raise Unavailable(f"backup refused update {u.version}: {details}") from None
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NEEDS_COPY in details:
+                    self._restart_install(gen)
+                    return
+                if not warned:
+                    log.warning("shard %d: backup %s unreachable (%s); holding update %d until it answers or "
+                                "the chief replaces it", self.shard_id, self.backup, exc.code().name, u.version)
+                    warned = True
+            if self._stop.wait(self._retry_s):
+                raise Unavailable(f"shard {self.shard_id}: replicator closed")
+
+    def _send(self, stubs: DataStubs, u: Update) -> int:
+        fr = update_frames(self.shard_id, self._member_id(), u, self._chunk_bytes)
+        if len(fr) == 1:
+            reply = stubs.replicate_one(fr[0], timeout=self._timeout_s)
+        else:
+            reply = stubs.replicate(iter(fr), timeout=self._timeout_s)
+        return pb.ReplicateReply.FromString(reply).version
+
+    def _restart_install(self, gen: int) -> None:
+        with self._lock:
+            if gen != self._generation:
+                return
+            self._generation += 1
+            self._state, self._pending = "installing", []
+            gen = self._generation
+        threading.Thread(target=self._install, args=(gen,), name=f"install-{self.shard_id}", daemon=True).start()
+
+    # ------------------------------------------------------------ a full copy for a new backup
+
+    def _current(self, gen: int) -> bool:
+        with self._lock:
+            return gen == self._generation and not self._stop.is_set()
+
+    def _install(self, gen: int) -> None:
+        while self._current(gen):
+            shard = self._find_shard()
+            if shard is None:                       # not initialised (or restored) yet
+                self._stop.wait(self._retry_s)
+                continue
+            try:
+                self._install_once(gen, shard)
+                return
+            except grpc.RpcError as exc:
+                if not self._current(gen):
+                    return
+                log.warning("shard %d: copy to backup %s failed (%s); retrying", self.shard_id, self.backup,
+                            exc.code().name)
+                self._stop.wait(max(self._retry_s, 0.2))
+
+    def _install_once(self, gen: int, shard: Shard) -> None:
+        t0 = time.perf_counter()
+        with shard.exclusive():
+            replica = shard.export_replica()
+            with self._lock:
+                if gen != self._generation:
+                    return
+                self._pending = []
+                stubs = self._stubs
+        version = replica["state"].version
+        data = replica_bytes(replica)
+        assert stubs is not None
+        stubs.install(install_frames(self.shard_id, self._member_id(), version, shard.fingerprint, data,
+                                     self._chunk_bytes), timeout=max(self._timeout_s, 120.0))
+        for _ in range(3):                          # catch up outside the lock while training goes on
+            with self._lock:
+                items, self._pending = self._pending, []
+            if not items:
+                break
+            for u in items:
+                self._send(stubs, u)
+        with shard.exclusive():                     # the last few under the lock, then forward in step
+            with self._lock:
+                if gen != self._generation:
+                    return
+                items, self._pending = self._pending, []
+            for u in items:
+                self._send(stubs, u)
+            with self._lock:
+                if gen == self._generation:
+                    self._state = "in_sync"
+        self.installs += 1
+        log.info("shard %d: backup %s in sync from version %d (%d bytes copied in %.2fs)", self.shard_id,
+                 self.backup, version, len(data), time.perf_counter() - t0)

@@ -1,0 +1,134 @@
+"""Replicated shards: byte-identical copies, a primary killed mid-training, a new backup filled live."""
+import threading
+import time
+
+import pytest
+import torch.nn.functional as F
+
+from shoal.testing import run_threads, wait_until
+from shoal.worker import Trainer
+
+from test_cluster import assert_exactly_once, data, mlp
+
+
+def copies(c):
+    """shard -> {role: (version, sha256)} over every live server."""
+    out: dict = {}
+    for ps in c.servers:
+        if getattr(ps, "killed", False):
+            continue
+        for k, s in list(ps.host.shards.items()):
+            out.setdefault(k, {})[ps.host.roles[k]] = s.digest()
+    return out
+
+
+def in_sync(c):
+    return all(r.state == "in_sync" for ps in c.servers if not getattr(ps, "killed", False)
+               for k, r in ps.host.replicators.items() if ps.host.roles.get(k) == "primary")
+
+
+def train_all(trainers, models, x, y, epochs, batch=16, on_step=None):
+    def one(t, m):
+        for xb, yb in t.batches((x, y), batch_size=batch, epochs=epochs, batches_per_task=4):
+            t.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            t.step()
+            if on_step is not None:
+                on_step()
+    run_threads(*[lambda t=t, m=m: one(t, m) for t, m in zip(trainers, models)], timeout_s=120)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_backups_are_byte_identical_to_their_primaries(cluster_factory, mode):
+    c = cluster_factory(2, mode=mode, lease_seconds=2.0)
+    assert c.job.replicas == 2
+    x, y = data(512)
+    models = [mlp(0), mlp(1)]
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
+    try:
+        wait_until(lambda: in_sync(c) and len(copies(c)) == 2, timeout_s=20, what="backups to be filled")
+        train_all(trainers, models, x, y, epochs=3)
+        got = copies(c)
+        for k in (0, 1):
+            assert set(got[k]) == {"primary", "backup"}
+            assert got[k]["primary"] == got[k]["backup"], f"shard {k} copies differ"
+            assert got[k]["primary"][0] > 10
+        assert_exactly_once(c, 512, 16, 3)          # every copy's ledger, backups included
+    finally:
+        for t in trainers:
+            t.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killing_a_primary_promotes_its_backup_and_loses_nothing(cluster_factory, mode):
+    c = cluster_factory(2, mode=mode, lease_seconds=1.0)
+    size, batch, epochs = 1024, 16, 4
+    x, y = data(size)
+    models = [mlp(0), mlp(1)]
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
+    steps, marks = [0], {}
+    lock = threading.Lock()
+
+    def on_step():
+        with lock:
+            steps[0] += 1
+            if "killed" in marks and "next" not in marks:
+                marks["next"] = time.monotonic()
+    try:
+        wait_until(lambda: in_sync(c), timeout_s=20, what="backups to be filled")
+
+        def killer():
+            wait_until(lambda: steps[0] >= 60, timeout_s=60, what="training to be under way")
+            victim = c.chief.state.routing[0]
+            i = next(i for i, s in enumerate(c.servers) if s.chief.member_id == victim)
+            marks["killed"] = time.monotonic()
+            c.kill_ps(i)
+
+        run_threads(lambda: train_all(trainers, models, x, y, epochs, batch, on_step), killer, timeout_s=120)
+        gap = marks["next"] - marks["killed"]
+        print(f"{mode}: first step completed {gap:.2f}s after the primary died (lease 1.0s)")
+        assert gap < 5.0
+        survivor = next(s for s in c.servers if not getattr(s, "killed", False))
+        assert survivor.host.promotions == 1
+        assert sorted(survivor.host.shards) == [0, 1]
+        assert sum(t.failovers for t in trainers) >= 1
+        assert_exactly_once(c, size, batch, epochs)   # no acknowledged batch lost, none applied twice
+        for t in trainers:
+            t.pull()
+        assert F.cross_entropy(models[0](x), y).item() < 0.8
+    finally:
+        for t in trainers:
+            t.close()
+
+
+def test_a_new_server_becomes_the_backup_and_is_filled_while_training_goes_on(cluster_factory):
+    from shoal.ps.server import PSServer
+
+    c = cluster_factory(2, mode="async", lease_seconds=1.0)
+    x, y = data(1024)
+    models = [mlp(0), mlp(1)]
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
+    steps = [0]
+    try:
+        wait_until(lambda: in_sync(c), timeout_s=20, what="backups to be filled")
+
+        def churn():
+            wait_until(lambda: steps[0] >= 40, timeout_s=60, what="training")
+            c.kill_ps(1)
+            wait_until(lambda: all(r.backup_id == "" for r in c.chief.state.view().routes), timeout_s=10,
+                       what="the chief to promote")
+            before = steps[0]
+            c.servers.append(PSServer(c.chief_address, bind="127.0.0.1:0").start())
+            wait_until(lambda: in_sync(c) and all(r.backup_id for r in c.chief.state.view().routes),
+                       timeout_s=20, what="the new server to hold both backups")
+            assert steps[0] > before                  # training went on while the copies were made
+
+        def tick():
+            steps[0] += 1
+        run_threads(lambda: train_all(trainers, models, x, y, 4, on_step=tick), churn, timeout_s=120)
+        got = copies(c)
+        assert all(got[k]["primary"] == got[k]["backup"] for k in (0, 1)), got
+        assert_exactly_once(c, 1024, 16, 4)
+    finally:
+        for t in trainers:
+            t.close()
