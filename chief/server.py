@@ -31,6 +31,12 @@ class ChiefServer:
                  checkpoint: CheckpointConfig | None = None):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
+        if saved is not None and saved.get("stopped") and checkpoint is not None:
+            log.warning("the journaled job stopped (%s); rolling back: starting over from the newest checkpoint "
+                        "in %s", saved["stopped"], checkpoint.directory)
+            path = self.journal.path
+            self.journal.close()
+            self.journal, saved = Journal(path, fresh=True), None
         self.recovered = saved is not None
         self.state = self._recover(saved, job) if saved is not None else ChiefState(job, time.monotonic)
         self.job = self.state.job
@@ -40,6 +46,7 @@ class ChiefServer:
             resume(self.state, checkpoint, recovered=self.recovered)
             self.checkpointer = Checkpointer(self.state, self.servicer.lock, checkpoint)
         self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
+        self.stopped = threading.Event()    # set when the job stopped (--recovery consistent lost a shard)
         self._closed = False
         self.server, self.port, self._health = create_server(bind)
         pb_grpc.add_ChiefServicer_to_server(self.servicer, self.server)
@@ -85,6 +92,9 @@ class ChiefServer:
                 set_serving(self._health, SERVICE, False)
                 self.failed.set()
                 return
+            if self.state.stopped and not self.stopped.is_set():
+                log.error("job stopped: %s", self.state.stopped)
+                self.stopped.set()
             try:
                 self.servicer.tick()
             except JournalError:

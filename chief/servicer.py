@@ -184,4 +184,5 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                completed_epochs=s.tasks.completed_epochs,
                                epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
                                batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
+                               lost_shards=s.lost, stopped=s.stopped,
                                **(s.checkpoints.stats() if s.checkpoints is not None else {}))

@@ -60,6 +60,7 @@ class ChiefState:
         self.routing: dict[int, str] = {}      # shard -> primary ps
         self.backups: dict[int, str] = {}      # shard -> backup ps (with replicas = 2)
         self.lost: list[int] = []              # shards that lost every copy (see recovery)
+        self.stopped = ""                      # why the job stopped: a consistent job lost a shard
         self.metrics: dict[str, float] = {}
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
 
@@ -70,6 +71,8 @@ class ChiefState:
     # ------------------------------------------------------------ membership
 
     def join_worker(self, layout: ModelLayout, host: str = "", member_id: str = "") -> Member:
+        if self.stopped:
+            raise FailedPrecondition(f"the job is stopped: {self.stopped}")
         if self.layout is None:
             if self.checkpoints is not None:
                 self.checkpoints.check_layout(layout)   # resuming: the model must match the checkpoint
@@ -135,7 +138,7 @@ class ChiefState:
 
     def leave(self, member_id: str, counters: Counters | None = None) -> None:
         m = self.members.leave(member_id, counters)
-        self._drop(m)
+        self._drop(m, graceful=True)
         self._changed(f"{member_id} left")
 
     def tick(self) -> list[Member]:
@@ -147,7 +150,7 @@ class ChiefState:
             self._changed("expired " + ", ".join(m.member_id for m in gone))
         return gone
 
-    def _drop(self, m: Member) -> None:
+    def _drop(self, m: Member, graceful: bool = False) -> None:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)
             return
@@ -161,8 +164,19 @@ class ChiefState:
                 log.warning("shard %d lost its primary %s; promoted its backup %s", k, m.member_id, backup)
             else:
                 del self.routing[k]
-                self.lost.append(k)
-                log.error("shard %d lost its primary %s and has no backup: every copy is gone", k, m.member_id)
+                if graceful:       # a ps stopped on purpose (the job is being shut down)
+                    log.info("shard %d: its last copy left with %s", k, m.member_id)
+                else:
+                    self.lost.append(k)
+                    log.error("shard %d lost its primary %s and has no backup: every copy is gone", k, m.member_id)
+                    if self.job.recovery == "consistent" and not self.stopped:
+                        self.stopped = (f"shard {k} lost every copy (its last server {m.member_id} died); "
+                                        f"--recovery consistent stops the job rather than go on without "
+                                        f"acknowledged updates: resume it from the newest checkpoint")
+                    elif self.job.recovery == "fast":
+                        log.warning("shard %d: --recovery fast goes on; the next ps to take it starts from the "
+                                    "newest checkpoint or a worker's weights, and the updates it held since "
+                                    "are lost", k)
         self._assign_backups()
 
     # ------------------------------------------------------------ data tasks
@@ -174,6 +188,8 @@ class ChiefState:
         m = self.members.get(member_id)
         if not m.live:
             raise NotFound(f"member {member_id} is {m.state.value}; join again")
+        if self.stopped:
+            raise FailedPrecondition(f"the job is stopped: {self.stopped}")
         if spec is not None:
             self.tasks.configure(spec)
         for epoch, start, stop in dropped:
@@ -232,6 +248,7 @@ class ChiefState:
             "routing": [[k, mid] for k, mid in sorted(self.routing.items())],
             "backups": [[k, mid] for k, mid in sorted(self.backups.items())],
             "lost": list(self.lost),
+            "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "members": self.members.to_dict(),
             "tasks": self.tasks.to_dict(),
@@ -256,6 +273,7 @@ class ChiefState:
         s.routing = {int(k): mid for k, mid in d["routing"]}
         s.backups = {int(k): mid for k, mid in d.get("backups", [])}
         s.lost = [int(k) for k in d.get("lost", [])]
+        s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])

@@ -46,6 +46,13 @@ class ShardHost:
         self.promotions = 0
         self._restoring: set[int] = set()             # shards being loaded from a checkpoint
         self._restored = threading.Condition(self._lock)
+        # Live-worker sets reach the shards from their own thread: a primary may hold its shard's
+        # lock while it waits for the view to replace a dead backup, and the view must get through.
+        self._live_cond = threading.Condition()
+        self._live_pending: frozenset[str] | None = None
+        self._closed = False
+        self._live_thread = threading.Thread(target=self._live_loop, name="live-workers", daemon=True)
+        self._live_thread.start()
 
     # ------------------------------------------------------------ primaries
 
@@ -161,13 +168,24 @@ class ShardHost:
             self.live_workers = workers
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
             targets = self._apply_routes(routes) if routes is not None else []
-            shards = list(self.shards.values())
-        # Aim the replicators first: a primary may be holding its lock while it waits for exactly this
-        # (its dead backup to be replaced), and set_live_workers needs that lock.
         for r, backup_id, backup_address in targets:
             r.set_target(backup_id, backup_address)
-        for s in shards:
-            s.set_live_workers(workers)
+        with self._live_cond:
+            self._live_pending = workers
+            self._live_cond.notify_all()
+
+    def _live_loop(self) -> None:
+        """Applies the newest live-worker set to every shard (older sets not yet applied are skipped)."""
+        while True:
+            with self._live_cond:
+                self._live_cond.wait_for(lambda: self._live_pending is not None or self._closed)
+                if self._closed:
+                    return
+                workers, self._live_pending = self._live_pending, None
+            with self._lock:
+                shards = list(self.shards.values())
+            for s in shards:
+                s.set_live_workers(workers)
 
     def _apply_routes(self, routes: list[pb.ShardRoute]) -> list[tuple[Replicator, str, str]]:
         """Roles from the view (lock held); returns the replicators to aim, outside the lock."""
@@ -209,6 +227,9 @@ class ShardHost:
             log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
 
     def close(self) -> None:
+        with self._live_cond:
+            self._closed = True
+            self._live_cond.notify_all()
         with self._lock:
             reps = list(self.replicators.values())
         for r in reps:

@@ -136,6 +136,8 @@ class ChiefClient:
                 if failures in (1, 10) or failures % 50 == 0:
                     log.warning("heartbeat to chief %s failed (%s), attempt %d", self.chief_address,
                                 exc.code().name, failures)
+            except Exception:  # noqa: BLE001 - a bug in a callback must not end the lease's heartbeats
+                log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
 
     def _watch_loop(self) -> None:
         backoff = 0.1

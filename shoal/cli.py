@@ -8,13 +8,14 @@ import runpy
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
 
 from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
-from shoal.errors import InvalidArgument, ShoalError, Unavailable
+from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
 
@@ -90,10 +91,24 @@ def cmd_chief(args: argparse.Namespace) -> int:
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
                          checkpoint=_checkpoint_from(args)).start()
     _write_port(args.port_file, server.port)
-    _serve_until_signalled(server, server.failed)
+    done = threading.Event()
+
+    def end_after_stop() -> None:      # stay up a little so every member hears why the job stopped
+        server.stopped.wait()
+        time.sleep(2 * server.job.lease_seconds)
+        done.set()
+
+    threading.Thread(target=end_after_stop, daemon=True).start()
+    if server.state.stopped:
+        server.stopped.set()
+    threading.Thread(target=lambda: (server.failed.wait(), done.set()), daemon=True).start()
+    _serve_until_signalled(server, done)
     if server.servicer.failed is not None:
         print(f"shoal chief: error: {server.servicer.failed}", file=sys.stderr)
         return 1
+    if server.stopped.is_set():
+        print(f"shoal chief: job stopped: {server.state.stopped}", file=sys.stderr)
+        return EXIT_ROLLBACK
     return 0
 
 

@@ -59,3 +59,7 @@ class PermissionDenied(ShoalError):
 # In a refusal of a worker's call by a ps that holds no primary copy of the shard:
 # the worker re-reads the cluster view and follows the shard to its primary.
 NOT_PRIMARY = "not the primary"
+
+# Exit status of a chief whose job stopped because a shard lost every copy under
+# --recovery consistent: its supervisor restarts the job from the newest checkpoint.
+EXIT_ROLLBACK = 75

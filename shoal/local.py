@@ -24,11 +24,11 @@ from typing import IO
 import grpc
 
 from shoal.config import JobConfig
-from shoal.errors import InvalidArgument
+from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
-from shoal.status import collect, exactly_once
+from shoal.status import collect, exactly_once, replica_digests, replicas_identical
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,10 @@ class LocalConfig:
                                   f"--workers {self.num_workers}")
 
 
+class JobStopped(RuntimeError):
+    """The job cannot go on (and cannot roll back)."""
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], out: IO[str]):
         self.name = name
@@ -123,6 +127,7 @@ class LocalCluster:
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         self.restarts: dict[str, int] = {}
+        self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
@@ -156,6 +161,7 @@ class LocalCluster:
                                       "--backup-workers", str(job.backup_workers),
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
+                                      "--replicas", str(job.replicas), "--recovery", job.recovery,
                                       "--journal", str(self._new_journal()), *self._checkpoint_args()])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)
@@ -197,6 +203,10 @@ class LocalCluster:
                 code = child.proc.poll()
                 if code is None or name in exits:
                     continue
+                if name == "chief" and code == EXIT_ROLLBACK:
+                    self._rollback()
+                    exits.clear()
+                    break
                 if name.startswith("worker") and code == 0:
                     exits[name] = 0
                 elif self._should_restart(name):
@@ -211,6 +221,27 @@ class LocalCluster:
                     n.startswith("worker") for n in self._restart_at):
                 return exits
             time.sleep(0.05)
+
+    def _rollback(self) -> None:
+        """The chief stopped the job (a shard lost every copy, --recovery consistent): start every role
+        again, so the job resumes from the newest checkpoint; without checkpoints, give up."""
+        if not self.cfg.checkpoint_dir:
+            raise JobStopped("a shard lost every copy and --recovery consistent stops the job; there is no "
+                             "--checkpoint-dir to roll back to (see the chief's log line above)")
+        log.warning("the chief stopped the job; rolling back: restarting every role from the newest checkpoint")
+        for c in self.children.values():
+            c.terminate()
+        for c in self.children.values():
+            c.stop()
+        self._restart_at.clear()
+        self.rollbacks += 1
+        for name in ["chief"] + sorted(n for n in self._launch if n.startswith("ps")) + \
+                sorted(n for n in self._launch if n.startswith("worker")):
+            args, env = self._launch[name]
+            if name == "chief":
+                port = self.chief_address.rsplit(":", 1)[1]
+                args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
+            self._spawn(name, args, env)
 
     def _should_restart(self, name: str) -> bool:
         return self.cfg.restart and self.restarts.get(name, 0) < self.cfg.max_restarts
@@ -286,6 +317,19 @@ class LocalCluster:
                 return report
             time.sleep(0.05)
 
+    def replica_report(self, settle_s: float = 10.0) -> dict | None:
+        """Digests of every shard's copies; waits (briefly) for a backup still being filled."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                digests = replica_digests(self.chief_address)
+            except grpc.RpcError as exc:
+                log.warning("could not read replica digests: %s", exc.code().name)
+                return None
+            if replicas_identical(digests) is not False or time.monotonic() > deadline:
+                return digests
+            time.sleep(0.1)
+
     def stop(self) -> None:
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
         chief = [c for n, c in self.children.items() if n == "chief"]
@@ -313,10 +357,15 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         seconds = time.monotonic() - started
         stats = cluster.job_stats()
         shards = cluster.shard_report()
+        replicas = cluster.replica_report()
     except KeyboardInterrupt:
         log.info("interrupted: stopping the cluster")
         cluster.stop()
         return 130
+    except JobStopped as exc:
+        log.error("job stopped: %s", exc)
+        cluster.stop()
+        return 3
     finally:
         signal.signal(signal.SIGTERM, previous)
     cluster.stop()
@@ -326,7 +375,11 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
         summary["exactly_once"] = exactly_once(shards)
         summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in shards["shards"]}
+    if replicas is not None:
+        summary["replicas"] = replicas
+        summary["replicas_identical"] = replicas_identical(replicas)
     summary["restarts"] = dict(cluster.restarts)
+    summary["rollbacks"] = cluster.rollbacks
     if cfg.summary:
         path = Path(cfg.summary)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +398,9 @@ def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats
         summary.update(steps=stats.totals.steps, samples=stats.totals.samples,
                        bytes_pushed=stats.totals.bytes_pushed, bytes_pulled=stats.totals.bytes_pulled,
                        tasks_done=stats.tasks_done, tasks_total=stats.tasks_total,
-                       workers_seen=stats.workers_seen)
+                       workers_seen=stats.workers_seen, epochs=stats.epochs,
+                       batches_per_epoch=stats.batches_per_epoch, lost_shards=list(stats.lost_shards),
+                       recovery=stats.job.recovery)
         summary.update({k: v for k, v in sorted(stats.metrics.items())})
         if stats.restored_from:
             summary.update(restored_from=stats.restored_from, restored_step=stats.restored_step)

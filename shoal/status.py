@@ -59,6 +59,41 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
             "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples}}
 
 
+def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    """Per shard: version and sha256 of the primary's copy and of the backup's (if it has one)."""
+    ch = open_channel(chief)
+    try:
+        view = pb_grpc.ChiefStub(ch).GetView(pb.ViewRequest(after_epoch=-1), timeout=timeout_s)
+    finally:
+        ch.close()
+    out: dict[str, dict[str, Any]] = {}
+    for route in view.shards:
+        entry: dict[str, Any] = {}
+        for role, address in (("primary", route.primary_address), ("backup", route.backup_address)):
+            if not address:
+                continue
+            sch = open_channel(address)
+            try:
+                d = pb_grpc.ShardControlStub(sch).Digest(pb.DigestRequest(shard=route.shard), timeout=timeout_s)
+                entry[role] = {"member": route.primary_id if role == "primary" else route.backup_id,
+                               "version": d.version, "sha256": d.sha256}
+            except grpc.RpcError as exc:
+                entry[role] = {"error": exc.code().name}
+            finally:
+                sch.close()
+        out[str(route.shard)] = entry
+    return out
+
+
+def replicas_identical(digests: dict[str, dict[str, Any]]) -> bool | None:
+    """True when every shard's backup equals its primary; None when no shard has a backup."""
+    pairs = [(e.get("primary"), e.get("backup")) for e in digests.values()]
+    if not any(b for _, b in pairs):
+        return None
+    return all(p and b and "sha256" in p and (p["version"], p["sha256"]) == (b.get("version"), b.get("sha256"))
+               for p, b in pairs)
+
+
 def exactly_once(s: dict[str, Any]) -> bool:
     """Every shard's ledger holds every batch of every epoch, each applied once."""
     want, epochs = s["epochs"]["batches_per_epoch"], s["epochs"]["total"]
@@ -83,13 +118,15 @@ def render(s: dict[str, Any]) -> str:
         lag = "" if m.get("lag") is None else str(m["lag"])
         rate = f"{m['steps_per_s']:.1f}" if m["role"] == "worker" else ""
         out.append(f"{m['id']:<12} {m['role']:<7} {m['state']:<8} {m['steps']:>7} {rate:>8} {lag:>5}  {flags}")
-    out += ["", f"{'shard':<6} {'primary':<10} {'version':>8} {'applied':>8} {'dropped':>8}  ledger (epoch:batches, max count)"]
+    out += ["", f"{'shard':<6} {'primary':<10} {'backup':<10} {'version':>8} {'applied':>8} {'dropped':>8}  "
+                f"ledger (epoch:batches, max count)"]
     for sh in s["shards"]:
         if "error" in sh:
-            out.append(f"{sh['shard']:<6} {sh['primary']:<10} unreachable ({sh['error']})")
+            out.append(f"{sh['shard']:<6} {sh['primary']:<10} {sh.get('backup') or '-':<10} unreachable ({sh['error']})")
             continue
         ledger = " ".join(f"{e['epoch']}:{e['batches']}x{e['max_count']}" for e in sh["ledger"][-4:])
-        out.append(f"{sh['shard']:<6} {sh['primary']:<10} {sh['version']:>8} {sh['applied']:>8} "
+        backup = f"{sh['backup'] or '-'}{'' if sh.get('backup_state') in ('in_sync', None) else '*'}"
+        out.append(f"{sh['shard']:<6} {sh['primary']:<10} {backup:<10} {sh['version']:>8} {sh['applied']:>8} "
                    f"{sh['dropped']:>8}  {ledger}")
     return "\n".join(out)
 

@@ -42,9 +42,15 @@ RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 def is_failover(exc: grpc.RpcError) -> bool:
     """The shard's server is gone, or is not (any more) the shard's primary: re-read the view."""
     details = exc.details() or ""
-    return (exc.code() == grpc.StatusCode.UNAVAILABLE
+    return (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)   # cancelled: server stopping
             or (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NOT_PRIMARY in details)
             or (exc.code() == grpc.StatusCode.NOT_FOUND and "does not hold shard" in details))
+
+
+def went_back(exc: grpc.RpcError) -> bool:
+    """The shard is empty, or behind the version this worker saw: it restarted (``--recovery fast``)."""
+    return is_uninitialised(exc) or (exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                                     and "push computed on version" in (exc.details() or ""))
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class Trainer:
         self._progress: dict[int, int] = {}
         self._step_seconds = 0.0
         self._last_step_end = 0.0
+        self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat)
@@ -114,7 +121,6 @@ class Trainer:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
         self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
-        self._feed: TaskFeed | None = None
         self._step_versions = dict(self.versions)
         self._sent: dict[int, _SentPush] = {}
         self._reroute_lock = threading.Lock()
@@ -261,11 +267,31 @@ class Trainer:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
                     log.info("shard %d: %s; retrying", shard, exc.details())
                     continue
+                if went_back(exc):
+                    version = self._restart_shard(shard, exc)
+                    return pb.PushReply(accepted=False, version=version, reason=exc.details())
                 if not is_failover(exc):
                     raise
                 self._reroute(shard, client, exc)
         self._count(pushed=sent)
         return reply
+
+    def _restart_shard(self, shard: int, exc: grpc.RpcError) -> int:
+        """The shard lost every copy and came back empty or from a checkpoint (``--recovery fast``).
+
+        An empty one is initialised from this worker's weights (the first worker
+        to get there wins); the shard's version starts over. Returns it. The
+        batch being pushed is handed back to the chief to be trained again.
+        """
+        a, b = self.plan.ranges[shard]
+        client = self._clients[shard]
+        log.warning("shard %d lost its state (%s); --recovery fast: going on from %s", shard,
+                    (exc.details() or "")[:100], "this worker's weights" if is_uninitialised(exc) else "its restore")
+        if is_uninitialised(exc):
+            client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+        version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
+        self.versions[shard] = self._step_versions[shard] = version
+        return version
 
     def _reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
         """The shard's server failed or is no longer its primary: follow the view to the one that is.
@@ -314,6 +340,9 @@ class Trainer:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.info("shard %d: still waiting for version %d", shard, min_version)
+                    continue
+                if is_uninitialised(exc):
+                    min_version = min(min_version, self._restart_shard(shard, exc))
                     continue
                 if not is_failover(exc):
                     raise

@@ -121,7 +121,7 @@ def test_a_new_server_becomes_the_backup_and_is_filled_while_training_goes_on(cl
             c.servers.append(PSServer(c.chief_address, bind="127.0.0.1:0").start())
             wait_until(lambda: in_sync(c) and all(r.backup_id for r in c.chief.state.view().routes),
                        timeout_s=20, what="the new server to hold both backups")
-            assert steps[0] > before                  # training went on while the copies were made
+            wait_until(lambda: steps[0] > before + 10, timeout_s=10, what="training to go on")   # not paused
 
         def tick():
             steps[0] += 1
@@ -132,3 +132,38 @@ def test_a_new_server_becomes_the_backup_and_is_filled_while_training_goes_on(cl
     finally:
         for t in trainers:
             t.close()
+
+
+def dead_address() -> str:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"     # closed again: nothing listens there
+
+
+def test_a_primary_holds_updates_for_an_unreachable_backup_until_the_view_drops_it():
+    import torch
+
+    from shoal.config import JobConfig, OptimizerSpec
+    from shoal.proto import shoal_pb2 as pb
+    from shoal.ps.host import ShardHost
+
+    host = ShardHost()
+    host.member_id = "ps-a"
+    host.assign(0, JobConfig(mode="async"))
+    shard, _ = host.create(0, torch.zeros(4), OptimizerSpec("sgd", {"lr": 0.1}), "fp")
+    route = pb.ShardRoute(shard=0, primary_id="ps-a", backup_id="ps-b", backup_address=dead_address())
+    host.set_view(frozenset({"w"}), 0, [route])
+    r = host.replicators[0]
+    wait_until(lambda: r.state == "installing", timeout_s=5, what="the replicator to aim at the backup")
+    r._state = "in_sync"          # as if the copy had been made before the backup died
+    done = threading.Event()
+    threading.Thread(target=lambda: (shard.push("w", 0, torch.ones(4)), done.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert not done.is_set() and shard.version == 0          # not acknowledged without the backup
+    t0 = time.monotonic()
+    host.set_view(frozenset({"w", "w2"}), 0, [route])        # other view changes still get through
+    assert time.monotonic() - t0 < 1.0
+    host.set_view(frozenset({"w", "w2"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-a")])   # backup dropped
+    assert done.wait(5) and shard.version == 1
+    host.close()

@@ -81,7 +81,8 @@ def test_each_shard_gets_a_backup_on_another_ps_and_a_dead_primary_is_replaced_b
     assert routes(s) == {0: (p1.member_id, p2.member_id), 1: (p1.member_id, p2.member_id)}
     s.leave(p2.member_id)
     assert routes(s) == {0: (p1.member_id, ""), 1: (p1.member_id, "")}
-    s.leave(p1.member_id)                                        # the last copy of both shards
+    clock.advance(10.0)
+    assert [m.member_id for m in s.tick()] == [p1.member_id]     # the last copy of both shards dies
     assert routes(s) == {} and s.lost == [0, 1] and not s.view().ready
     p3, shard = s.join_ps("h:4")
     assert shard == 0 and routes(s) == {0: (p3.member_id, "")}

@@ -1,0 +1,29 @@
+"""A SIGKILLed parameter server under ``shoal local``: its backup takes over, the restarted process
+becomes the new backup, and the job finishes with every batch applied once and identical copies."""
+from __future__ import annotations
+
+import pytest
+from localrun import finish, job_steps, kill_and_await_restart, start_local
+
+from shoal.testing import wait_until
+
+pytestmark = pytest.mark.system
+
+
+@pytest.mark.parametrize("mode,epochs", [("sync", "8"), ("async", "16")])   # ~25 s each
+def test_sigkilled_primary_is_replaced_by_its_backup_and_nothing_is_lost(tmp_path, mode, epochs):
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", mode, "--restart-backoff", "0.3",
+                       "--lease-seconds", "1.5", script_args=("--epochs", epochs))
+    wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 60,
+               timeout_s=90, what="training to be under way")
+    kill_and_await_restart(tmp_path, "ps0")
+    summary = finish(proc, tmp_path)
+    log = (tmp_path / "local.log").read_text()
+    assert summary["restarts"] == {"ps0": 1}
+    assert "holding a backup copy" in log.split("promoted to primary", 1)[1]   # the restarted ps took it
+    assert "promoted its backup" in log and "promoted to primary" in log
+    assert summary["worker_exit_codes"] == {"worker0": 0, "worker1": 0}
+    assert summary["tasks_done"] == summary["tasks_total"] > 0
+    assert summary["exactly_once"], summary["ledger"]           # no acknowledged batch lost, none twice
+    assert summary["replicas_identical"] is True, summary["replicas"]
+    assert summary["test_accuracy"] >= 0.95, summary
