@@ -3,7 +3,8 @@
 Runs the same job twice in one invocation, fault-free and with faults (each
 victim restarted by ``shoal local``'s supervisor), with the same seed. For
 each fault it reports the time from the kill to the next finished worker step
-(a step ends with accepted pushes and pulls on every shard). For the run it
+(of the first step begun after the kill: it ends with accepted pushes and pulls
+on every shard, the killed one included). For the run it
 reports whether the exactly-once ledger held, how many acknowledged updates
 were lost (batches missing from a shard's ledger: a batch whose push was
 acknowledged is never trained again, so a lost one leaves a hole), whether
@@ -32,11 +33,14 @@ FAULTS = ("ps0", "worker1", "chief")
 
 
 def steps_after(pattern: str, t: float) -> list[float]:
-    times = []
+    """End times of worker steps that began after ``t`` (the worker's previous step ended after it),
+    so each pushed to the shards as they were after the fault."""
+    ends = []
     for path in glob.glob(pattern):
         with open(path) as f:
-            times += [float(x) for x in f.read().splitlines() if x and not x.startswith("#")]
-    return sorted(x for x in times if x > t)
+            times = [float(x) for x in f.read().splitlines() if x and not x.startswith("#")]
+        ends += [b for a, b in zip(times, times[1:]) if a > t]
+    return sorted(ends)
 
 
 def job_steps(run_dir: Path) -> int:

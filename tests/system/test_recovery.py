@@ -51,7 +51,7 @@ def test_consistent_recovery_without_a_checkpoint_stops_the_job_with_a_clear_err
 
 def test_fast_recovery_goes_on_from_a_workers_weights_and_says_what_was_lost(tmp_path):
     proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "async", "--lease-seconds", "1.5",
-                       "--restart-backoff", "0.3", "--recovery", "fast", script_args=("--epochs", "16"))
+                       "--restart-backoff", "0.3", "--recovery", "fast", script_args=("--epochs", "12"))
     under_way(tmp_path, 60)
     kill_every_ps(tmp_path)
     summary = finish(proc, tmp_path)
