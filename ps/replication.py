@@ -199,7 +199,13 @@ class Replicator:
                 self._send(stubs, u)
                 self.forwarded += 1
                 return
+            except ValueError:                      # the view replaced the backup and closed its channel
+                if not self._current(gen):
+                    continue
+                raise
             except grpc.RpcError as exc:
+                if not self._current(gen):          # cancelled by a new target: aim again
+                    continue
                 details = exc.details() or ""
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and FENCED in details:
                     raise Unavailable(f"backup refused update {u.version}: {details}") from None
@@ -245,11 +251,13 @@ class Replicator:
             try:
                 self._install_once(gen, shard)
                 return
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, ValueError) as exc:   # ValueError: the channel was closed under it
                 if not self._current(gen):
                     return
+                if isinstance(exc, ValueError):
+                    raise
                 log.warning("shard %d: copy to backup %s failed (%s); retrying", self.shard_id, self.backup,
-                            exc.code().name)
+                            exc.code().name)  # type: ignore[union-attr]
                 self._stop.wait(max(self._retry_s, 0.2))
 
     def _install_once(self, gen: int, shard: Shard) -> None:

@@ -128,7 +128,9 @@ class Trainer:
         self.failovers = 0
         self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
                                         self._launch_push) if overlap else None
+        self._started = False
         self._initialise_or_pull()
+        self._started = True
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
@@ -267,7 +269,7 @@ class Trainer:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
                     log.info("shard %d: %s; retrying", shard, exc.details())
                     continue
-                if went_back(exc):
+                if went_back(exc) and self._started:
                     version = self._restart_shard(shard, exc)
                     return pb.PushReply(accepted=False, version=version, reason=exc.details())
                 if not is_failover(exc):
@@ -341,7 +343,7 @@ class Trainer:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.info("shard %d: still waiting for version %d", shard, min_version)
                     continue
-                if is_uninitialised(exc):
+                if is_uninitialised(exc) and self._started:   # at start-up the caller initialises it
                     min_version = min(min_version, self._restart_shard(shard, exc))
                     continue
                 if not is_failover(exc):
