@@ -1,6 +1,7 @@
 """Dense benchmark: two 2048x2048 linear layers (no bias, ReLU between), batch 32, random data.
 
-2 workers and 2 parameter servers in async mode, one case per compressor,
+2 workers and 2 parameter servers in async mode (shards not replicated, as DDP
+keeps no second copy; ``--replicated`` codecs run once more with replicas), one case per compressor,
 against torch DistributedDataParallel over gloo with the same model and batch
 (2 processes), in the same run. Reports worker steps per second (mean over
 workers) and the ratio to DDP. One JSON object per case.
@@ -90,11 +91,11 @@ def run_ddp(seconds: float) -> float:
     return sum(rates) / len(rates)
 
 
-def run_shoal(codec: str, seconds: float) -> tuple[float, float]:
+def run_shoal(codec: str, seconds: float, replicas: int = 1) -> tuple[float, float]:
     from _servers import Servers
 
     ctx = mp.get_context("spawn")
-    with Servers(2, mode="async") as servers:
+    with Servers(2, mode="async", extra_chief=("--replicas", str(replicas))) as servers:
         out, barrier = ctx.Queue(), ctx.Barrier(2)
         procs = [ctx.Process(target=_shoal_worker, args=(servers.chief, codec, seconds, barrier, out))
                  for _ in range(2)]
@@ -110,14 +111,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--codecs", nargs="+", default=["none", "fp16", "bf16", "int8", "topk", "sign", "topk+lz4"])
+    p.add_argument("--replicated", nargs="*", default=["none"],
+                   help="codecs to run once more with every shard replicated (--replicas 2)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ddp = run_ddp(args.seconds)
     print(json.dumps({"case": "ddp-gloo", "workers": 2, "steps_per_s": round(ddp, 2)}), flush=True)
-    for codec in args.codecs:
-        rate, pushed = run_shoal(codec, args.seconds)
-        print(json.dumps({"case": f"shoal-async-{codec}", "workers": 2, "ps": 2, "steps_per_s": round(rate, 2),
+    cases = [(c, 1) for c in args.codecs] + [(c, 2) for c in args.replicated]
+    for codec, replicas in cases:
+        rate, pushed = run_shoal(codec, args.seconds, replicas)
+        name = f"shoal-async-{codec}" + ("-replicated" if replicas == 2 else "")
+        print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, "steps_per_s": round(rate, 2),
                           "push_bytes_per_step": int(pushed), "ratio_vs_ddp": round(rate / ddp, 2)}), flush=True)
 
 

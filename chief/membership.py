@@ -121,6 +121,15 @@ class Membership:
             log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
         return gone
 
+    def expire_now(self, member_id: str, why: str) -> Member | None:
+        """Ends a live member's lease at once (the chief could not reach it); None if it was not live."""
+        m = self._members.get(member_id)
+        if m is None or not m.live:
+            return None
+        m.state = MemberState.EXPIRED
+        log.info("member %s expired (%s)", member_id, why)
+        return m
+
     def get(self, member_id: str) -> Member:
         m = self._members.get(member_id)
         if m is None:

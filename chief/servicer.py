@@ -21,7 +21,7 @@ from shoal import convert
 from shoal.errors import InvalidArgument, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import grpc_errors
+from shoal.rpc import grpc_errors, probe
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ MAX_VIEW_WAIT_S = 30.0
 
 class ChiefServicer(pb_grpc.ChiefServicer):
     def __init__(self, state: ChiefState, journal: Journal | None = None, heartbeat_flush_s: float = 0.2):
+        self.probe_timeout_s = 1.0           # ReportUnreachable: how long the chief's own probe waits
         self.state = state
         self.journal = journal
         self.heartbeat_flush_s = heartbeat_flush_s
@@ -90,6 +91,21 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 self._cond.notify_all()
             elif self._dirty and time.monotonic() - self._last_write >= self.heartbeat_flush_s:
                 self._save("heartbeats")
+
+    @grpc_errors
+    def ReportUnreachable(self, request, context):
+        """A member could not reach a ps: probe it ourselves; if it does not answer, end its lease now."""
+        with self._locked():
+            m = self.state.members.find(request.member_id)
+            address = m.address if m is not None and m.live and m.role is Role.PS else ""
+        if not address or probe(address, self.probe_timeout_s):
+            return pb.UnreachableReply(expired=False)
+        with self._locked():
+            expired = self.state.expire(request.member_id, f"unreachable for {request.reporter_id} and the chief")
+            if expired:
+                self._save(f"expired {request.member_id}: unreachable")
+                self._cond.notify_all()
+        return pb.UnreachableReply(expired=expired)
 
     def _view(self) -> pb.ClusterView:
         return convert.view_to_pb(self.state.view())

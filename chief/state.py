@@ -150,6 +150,15 @@ class ChiefState:
             self._changed("expired " + ", ".join(m.member_id for m in gone))
         return gone
 
+    def expire(self, member_id: str, why: str) -> bool:
+        """Drops a member before its lease ends (the chief found it unreachable); True if it was live."""
+        m = self.members.expire_now(member_id, why)
+        if m is None:
+            return False
+        self._drop(m)
+        self._changed(f"expired {member_id} ({why})")
+        return True
+
     def _drop(self, m: Member, graceful: bool = False) -> None:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)

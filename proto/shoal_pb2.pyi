@@ -316,6 +316,20 @@ class JobStats(_message.Message):
     stopped: str
     def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ...) -> None: ...
 
+class UnreachableReport(_message.Message):
+    __slots__ = ("reporter_id", "member_id")
+    REPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    reporter_id: str
+    member_id: str
+    def __init__(self, reporter_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class UnreachableReply(_message.Message):
+    __slots__ = ("expired",)
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    expired: bool
+    def __init__(self, expired: _Optional[bool] = ...) -> None: ...
+
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "hparams")
     class HparamsEntry(_message.Message):

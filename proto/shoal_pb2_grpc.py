@@ -69,6 +69,11 @@ class ChiefStub:
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.Empty.SerializeToString,
                 response_deserializer=shoal_dot_proto_dot_shoal__pb2.JobStats.FromString,
                 _registered_method=True)
+        self.ReportUnreachable = channel.unary_unary(
+                '/shoal.Chief/ReportUnreachable',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.UnreachableReport.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.UnreachableReply.FromString,
+                _registered_method=True)
 
 
 class ChiefServicer:
@@ -116,6 +121,12 @@ class ChiefServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportUnreachable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChiefServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_ChiefServicer_to_server(servicer, server):
                     servicer.GetJobStats,
                     request_deserializer=shoal_dot_proto_dot_shoal__pb2.Empty.FromString,
                     response_serializer=shoal_dot_proto_dot_shoal__pb2.JobStats.SerializeToString,
+            ),
+            'ReportUnreachable': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUnreachable,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.UnreachableReport.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.UnreachableReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Chief:
             '/shoal.Chief/GetJobStats',
             shoal_dot_proto_dot_shoal__pb2.Empty.SerializeToString,
             shoal_dot_proto_dot_shoal__pb2.JobStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportUnreachable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.Chief/ReportUnreachable',
+            shoal_dot_proto_dot_shoal__pb2.UnreachableReport.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.UnreachableReply.FromString,
             options,
             channel_credentials,
             insecure,

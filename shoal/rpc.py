@@ -114,3 +114,15 @@ def _details(exc: grpc.RpcError) -> str:
         return exc.details() or ""
     except Exception:  # noqa: BLE001
         return ""
+
+
+def probe(address: str, timeout_s: float = 1.0) -> bool:
+    """True if a server answers at ``address`` (its health service, whatever it says), within ``timeout_s``."""
+    channel = open_channel(address)
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        return True
+    except grpc.RpcError as exc:
+        return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        channel.close()

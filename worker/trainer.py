@@ -278,6 +278,21 @@ class Trainer:
         self._count(pushed=sent)
         return reply
 
+    def _report_unreachable(self, shard: int) -> None:
+        """Tells the chief the shard's primary does not answer: if the chief's probe agrees, it promotes
+        the backup now instead of after the lease. Best effort."""
+        view = self.chief.view
+        route = next((r for r in view.shards if r.shard == shard), None) if view else None
+        if route is None:
+            return
+        try:
+            reply = self.chief.stub.ReportUnreachable(
+                pb.UnreachableReport(reporter_id=self.member_id, member_id=route.primary_id), timeout=5)
+            if reply.expired:
+                log.warning("shard %d: the chief confirmed %s is gone", shard, route.primary_id)
+        except grpc.RpcError as exc:
+            log.info("could not report %s unreachable: %s", route.primary_id, exc.code().name)
+
     def _restart_shard(self, shard: int, exc: grpc.RpcError) -> int:
         """The shard lost every copy and came back empty or from a checkpoint (``--recovery fast``).
 
@@ -309,6 +324,8 @@ class Trainer:
             patience = time.monotonic() + 2 * max(self.chief.lease_seconds, 1.0)
             log.warning("shard %d: %s at %s (%s); looking for its primary", shard, exc.code().name,
                         failed.address, (exc.details() or "")[:120])
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._report_unreachable(shard)
             while True:
                 try:
                     view = self.chief.refresh_view()

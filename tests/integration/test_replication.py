@@ -167,3 +167,48 @@ def test_a_primary_holds_updates_for_an_unreachable_backup_until_the_view_drops_
     host.set_view(frozenset({"w", "w2"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-a")])   # backup dropped
     assert done.wait(5) and shard.version == 1
     host.close()
+
+
+def test_a_primary_the_chief_cannot_reach_either_is_replaced_before_its_lease_ends(cluster_factory):
+    c = cluster_factory(2, mode="async", lease_seconds=6.0)      # waiting out the lease would take 6 s
+    x, y = data(1024)
+    models = [mlp(0), mlp(1)]
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="adam", lr=0.02) for m in models]
+    steps, marks = [0], {}
+
+    def on_step():
+        steps[0] += 1
+    try:
+        wait_until(lambda: in_sync(c), timeout_s=20, what="backups to be filled")
+
+        def killer():
+            wait_until(lambda: steps[0] >= 60, timeout_s=60, what="training to be under way")
+            shard = c.servers[0].host.assigned and min(c.servers[0].host.assigned)
+            at = c.servers[0].host.shards[shard].version
+            marks["killed"] = time.monotonic()
+            c.kill_ps(0)
+            survivor = c.servers[1].host
+
+            def applied_on_new_primary():   # the next accepted push on the killed primary's shard
+                s = survivor.shards.get(shard)
+                return survivor.roles.get(shard) == "primary" and s is not None and s.version > at
+            wait_until(applied_on_new_primary, timeout_s=30, interval_s=0.005, what="the new primary")
+            marks["next"] = time.monotonic()
+
+        run_threads(lambda: train_all(trainers, models, x, y, 4, on_step=on_step), killer, timeout_s=120)
+        gap = marks["next"] - marks["killed"]
+        print(f"next update on the dead primary's shard {gap:.2f}s after it died (lease 6 s)")
+        assert gap < 2.0
+        assert_exactly_once(c, 1024, 16, 4)
+    finally:
+        for t in trainers:
+            t.close()
+
+
+def test_a_report_about_a_live_server_changes_nothing(cluster_factory):
+    from shoal.proto import shoal_pb2 as pb
+
+    c = cluster_factory(2, mode="async", lease_seconds=6.0)
+    victim = c.servers[0].chief.member_id
+    reply = c.chief.servicer.ReportUnreachable(pb.UnreachableReport(reporter_id="w", member_id=victim), None)
+    assert not reply.expired and c.chief.state.members.get(victim).live
