@@ -22,7 +22,8 @@ def test_each_compressor_trains_digits(cluster_factory, codec):
                 for m in models]
 
     def run(t, m):
-        for xb, yb in t.batches((xtr, ytr), batch_size=32, epochs=8):
+        # sign sends one bit an element: it needs more steps to reach the same bar (error feedback catches up)
+        for xb, yb in t.batches((xtr, ytr), batch_size=32, epochs=14 if codec.startswith("sign") else 8):
             t.zero_grad()
             F.cross_entropy(m(xb), yb).backward()
             t.step()
