@@ -1,5 +1,6 @@
 """A SIGKILLed parameter server under ``shoal local``: its backup takes over, the restarted process
-becomes the new backup, and the job finishes with every batch applied once and identical copies."""
+becomes the new backup, and the job finishes with every batch applied once and identical copies.
+A SIGKILLed worker in the same job is restarted and joins again."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,11 @@ def test_sigkilled_primary_is_replaced_by_its_backup_and_nothing_is_lost(tmp_pat
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 60,
                timeout_s=90, what="training to be under way")
     kill_and_await_restart(tmp_path, "ps0")
+    kill_and_await_restart(tmp_path, "worker0")
     summary = finish(proc, tmp_path)
     log = (tmp_path / "local.log").read_text()
-    assert summary["restarts"] == {"ps0": 1}
+    assert summary["restarts"] == {"ps0": 1, "worker0": 1}
+    assert "worker0 exited with -9; restarting it in 0.3s" in log
     assert "holding a backup copy" in log.split("promoted to primary", 1)[1]   # the restarted ps took it
     assert "promoted its backup" in log and "promoted to primary" in log
     assert summary["worker_exit_codes"] == {"worker0": 0, "worker1": 0}
