@@ -121,6 +121,17 @@ class Membership:
             log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
         return gone
 
+    def cut_lease(self, member_id: str, left_s: float) -> bool:
+        """Its connection broke: the lease ends in ``left_s`` unless a heartbeat renews it first."""
+        m = self._members.get(member_id)
+        if m is None or not m.live:
+            return False
+        until = self._clock() + left_s
+        if until < m.lease_until:
+            m.lease_until = until
+            log.debug("member %s: connection closed; lease cut to %.2fs", member_id, left_s)
+        return True
+
     def expire_now(self, member_id: str, why: str) -> Member | None:
         """Ends a live member's lease at once (the chief could not reach it); None if it was not live."""
         m = self._members.get(member_id)

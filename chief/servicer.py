@@ -154,6 +154,11 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     @grpc_errors
     def GetView(self, request, context):
         deadline = time.monotonic() + min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
+        answered = []
+        if request.member_id and context is not None:
+            # A watch that breaks off before its answer means the process (or its socket) is gone: cut
+            # its lease to a third, which a live member's next heartbeat (every quarter lease) renews.
+            context.add_callback(lambda: answered or self._watch_broke(request.member_id))
         with self._locked():
             while self.state.epoch <= request.after_epoch and context.is_active():
                 left = deadline - time.monotonic()
@@ -162,7 +167,12 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 self._cond.wait(min(left, 1.0))
             if self.failed is not None:     # a view the journal does not hold must not be seen
                 raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
+            answered.append(True)
             return self._view()
+
+    def _watch_broke(self, member_id: str) -> None:
+        with self._cond:
+            self.state.members.cut_lease(member_id, self.state.job.lease_seconds / 3)
 
     @grpc_errors
     def GetTasks(self, request, context):

@@ -185,12 +185,14 @@ class LeaveRequest(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
 
 class ViewRequest(_message.Message):
-    __slots__ = ("after_epoch", "timeout_seconds")
+    __slots__ = ("after_epoch", "timeout_seconds", "member_id")
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     after_epoch: int
     timeout_seconds: float
-    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    member_id: str
+    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
     __slots__ = ("size", "batch_size", "epochs", "batches_per_task", "seed")

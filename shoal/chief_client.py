@@ -144,7 +144,8 @@ class ChiefClient:
         while not self._stop.is_set():
             after = self._view.epoch if self._view is not None else -1
             try:
-                view = self.stub.GetView(pb.ViewRequest(after_epoch=after, timeout_seconds=5.0), timeout=10)
+                view = self.stub.GetView(pb.ViewRequest(after_epoch=after, timeout_seconds=5.0,
+                                                        member_id=self.member_id), timeout=10)
                 self._set_view(view)
                 backoff = 0.1
             except grpc.RpcError as exc:

@@ -171,3 +171,17 @@ def test_task_tokens_bind_holder_and_attempt(clock):
     assert tokens.verify(s.secret, tok, a.member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
     assert not tokens.verify(s.secret, tok, "worker-9", t.task_id, t.attempt, t.epoch, t.start, t.stop)
     assert not tokens.verify(s.secret, tok, a.member_id, t.task_id, t.attempt + 1, t.epoch, t.start, t.stop)
+
+
+def test_a_broken_watch_cuts_the_lease_short_unless_a_heartbeat_renews_it(clock):
+    s = ChiefState(JobConfig(lease_seconds=3.0), clock)
+    a = s.join_worker(LAYOUT)
+    b = s.join_worker(LAYOUT)
+    assert s.members.cut_lease(a.member_id, 1.0) and s.members.cut_lease(b.member_id, 1.0)
+    clock.advance(0.75)
+    s.heartbeat(b.member_id)                          # b is alive: its heartbeat gives it a full lease again
+    clock.advance(0.5)
+    assert [m.member_id for m in s.tick()] == [a.member_id]   # a is gone after 1 s, not 3 s
+    clock.advance(2.0)
+    assert s.tick() == [] and s.members.get(b.member_id).live
+    assert not s.members.cut_lease(a.member_id, 1.0)          # already gone
