@@ -306,29 +306,14 @@ class LocalCluster:
         A sync round a departed worker pushed into closes once its shard sees the
         worker gone; wait (briefly) for every shard to have no open round.
         """
-        deadline = time.monotonic() + settle_s
-        while True:
-            try:
-                report = collect(self.chief_address)
-            except grpc.RpcError as exc:
-                log.warning("could not read shard status: %s", exc.code().name)
-                return None
-            if all(not sh.get("round_pending") for sh in report["shards"]) or time.monotonic() > deadline:
-                return report
-            time.sleep(0.05)
+        return _read_settled(lambda: collect(self.chief_address),
+                             lambda r: all(not sh.get("round_pending") for sh in r["shards"]), settle_s,
+                             "shard status")
 
     def replica_report(self, settle_s: float = 10.0) -> dict | None:
         """Digests of every shard's copies; waits (briefly) for a backup still being filled."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            try:
-                digests = replica_digests(self.chief_address)
-            except grpc.RpcError as exc:
-                log.warning("could not read replica digests: %s", exc.code().name)
-                return None
-            if replicas_identical(digests) is not False or time.monotonic() > deadline:
-                return digests
-            time.sleep(0.1)
+        return _read_settled(lambda: replica_digests(self.chief_address),
+                             lambda d: replicas_identical(d) is not False, settle_s, "replica digests")
 
     def stop(self) -> None:
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
@@ -338,6 +323,20 @@ class LocalCluster:
                 c.terminate()
             for c in group:
                 c.stop()
+
+
+def _read_settled(read, settled, settle_s: float, what: str):
+    """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            result = read()
+        except grpc.RpcError as exc:
+            log.warning("could not read %s: %s", what, exc.code().name)
+            return None
+        if settled(result) or time.monotonic() > deadline:
+            return result
+        time.sleep(0.05)
 
 
 def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
