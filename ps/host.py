@@ -146,7 +146,7 @@ class ShardHost:
         except FailedPrecondition as exc:
             raise FailedPrecondition(f"{exc} ({NEEDS_COPY})") from None
 
-    def install_copy(self, head: pb.InstallHeader, data: bytes) -> int:
+    def install_copy(self, head: pb.InstallHeader, data: bytes | bytearray) -> int:
         """A primary sends this backup a whole copy of its shard."""
         with self._lock:
             self._check_sender(head.shard, head.primary_id)

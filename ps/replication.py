@@ -94,7 +94,7 @@ def replica_bytes(replica: dict) -> bytes:
     return buf.getvalue()
 
 
-def replica_from_bytes(data: bytes) -> dict:
+def replica_from_bytes(data: bytes | bytearray) -> dict:
     obj = torch.load(io.BytesIO(data), weights_only=True)
     state = ShardState(obj["shard"], obj["start"], obj["stop"], obj["values"], obj["optimizer"], obj["hparams"],
                        obj["opt_state"], obj["version"], obj["extra"])
@@ -109,18 +109,19 @@ def install_frames(shard: int, primary_id: str, version: int, fingerprint: str, 
         yield frames.pack(head, data[off:off + chunk_bytes])
 
 
-def install_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.InstallHeader, bytes]:
-    first, parts, covered = None, [], 0
+def install_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.InstallHeader, bytearray]:
+    first, data, covered = None, bytearray(), 0
     for frame in frame_iter:
         head, payload = frames.unpack(frame, pb.InstallHeader)
-        first = first or head
-        if head.offset != covered or head.shard != first.shard:
+        if first is None:
+            first, data = head, bytearray(head.total_bytes)     # one buffer, filled in place
+        if head.offset != covered or head.shard != first.shard or covered + len(payload) > first.total_bytes:
             raise ValueError(f"install chunk at {head.offset} does not continue at {covered}")
-        parts.append(bytes(payload))
+        data[covered:covered + len(payload)] = payload
         covered += len(payload)
     if first is None or covered != first.total_bytes:
         raise ValueError(f"install carried {covered} of {first.total_bytes if first else '?'} bytes")
-    return first, b"".join(parts)
+    return first, data
 
 
 # ---------------------------------------------------------------- the primary's side
@@ -144,8 +145,6 @@ class Replicator:
         self._pending: list[Update] = []
         self._generation = 0
         self._stop = threading.Event()
-        self.installs = 0
-        self.forwarded = 0
 
     @property
     def state(self) -> str:
@@ -197,7 +196,6 @@ class Replicator:
                     return
             try:
                 self._send(stubs, u)
-                self.forwarded += 1
                 return
             except ValueError:                      # the view replaced the backup and closed its channel
                 if not self._current(gen):
@@ -291,6 +289,5 @@ class Replicator:
             with self._lock:
                 if gen == self._generation:
                     self._state = "in_sync"
-        self.installs += 1
         log.info("shard %d: backup %s in sync from version %d (%d bytes copied in %.2fs)", self.shard_id,
                  self.backup, version, len(data), time.perf_counter() - t0)

@@ -64,6 +64,28 @@ class Codec(abc.ABC):
         return f"{type(self).__name__}()"
 
 
+class ChunkScaledCodec(Codec):
+    """A biased chunked format (``int8``, ``sign``) whose encoder yields its own approximation.
+
+    Subclasses write :meth:`_encode`; the decoded values for error feedback come
+    from the encoder's arithmetic instead of a decode of the payload.
+    """
+
+    biased = True
+
+    @abc.abstractmethod
+    def _encode(self, x: torch.Tensor, want_approx: bool) -> tuple[bytes, torch.Tensor | None]:
+        """``(payload, approximation or None)`` of a checked input."""
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        return self._encode(check_input(x), want_approx=False)[0]
+
+    def encode_with_approx(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        payload, approx = self._encode(check_input(x), want_approx=True)
+        assert approx is not None
+        return payload, approx
+
+
 C = TypeVar("C", bound=type[Codec])
 _REGISTRY: dict[str, type[Codec]] = {}
 

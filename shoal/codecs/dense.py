@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import (Buffer, Codec, CodecError, as_bytes, check_encoded_scales, check_input, check_length,
-                   check_numel, chunk_rows, num_chunks, read_scales, read_tensor, register_codec, scale_chunks_,
+from .base import (Buffer, ChunkScaledCodec, Codec, CodecError, as_bytes, check_encoded_scales, check_input,
+                   check_length, check_numel, chunk_rows, num_chunks, read_scales, read_tensor, register_codec, scale_chunks_,
                    to_bytes)
 
 FP16_MAX = 65504.0
@@ -77,17 +77,10 @@ class Bf16Codec(_CastCodec):
 
 
 @register_codec
-class Int8Codec(Codec):
+class Int8Codec(ChunkScaledCodec):
     """Symmetric 8-bit quantisation with one absmax scale per 4096-element chunk."""
 
     name = "int8"
-    biased = True
-
-    def encode(self, x: torch.Tensor) -> bytes:
-        return self._encode(check_input(x), want_approx=False)[0]
-
-    def encode_with_approx(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        return self._encode(check_input(x), want_approx=True)
 
     def _encode(self, x: torch.Tensor, want_approx: bool) -> tuple[bytes, torch.Tensor | None]:
         n = x.numel()

@@ -19,8 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import (Buffer, Codec, CodecError, as_bytes, ceil_div, check_encoded_scales, check_input,
-                   check_length, check_numel, chunk_counts, chunk_rows, num_chunks, read_scales, register_codec,
+from .base import (Buffer, ChunkScaledCodec, CodecError, as_bytes, ceil_div, check_encoded_scales, check_length, check_numel, chunk_counts, chunk_rows, num_chunks, read_scales, register_codec,
                    scale_chunks_, to_bytes)
 
 
@@ -42,17 +41,10 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 @register_codec
-class SignCodec(Codec):
+class SignCodec(ChunkScaledCodec):
     """1-bit sign compression with a mean-|x| scale per 4096-element chunk."""
 
     name = "sign"
-    biased = True
-
-    def encode(self, x: torch.Tensor) -> bytes:
-        return self._encode(check_input(x), want_approx=False)[0]
-
-    def encode_with_approx(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        return self._encode(check_input(x), want_approx=True)
 
     def _encode(self, x: torch.Tensor, want_approx: bool) -> tuple[bytes, torch.Tensor | None]:
         n = x.numel()

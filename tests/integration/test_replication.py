@@ -212,3 +212,19 @@ def test_a_report_about_a_live_server_changes_nothing(cluster_factory):
     victim = c.servers[0].chief.member_id
     reply = c.chief.servicer.ReportUnreachable(pb.UnreachableReport(reporter_id="w", member_id=victim), None)
     assert not reply.expired and c.chief.state.members.get(victim).live
+
+
+def test_a_member_whose_view_watch_breaks_off_is_dropped_after_a_third_of_its_lease(cluster_factory):
+    c = cluster_factory(1, lease_seconds=6.0)
+    t = Trainer(mlp(0), chief=c.chief_address)
+    try:
+        wid = t.member_id
+        wait_until(lambda: c.chief.state.members.get(wid).live, timeout_s=5, what="the worker to join")
+        t.chief.close()                       # heartbeats and the watch stop, no Leave: as if it died
+        t0 = time.monotonic()                 # (close waits for the threads; the watch breaks at its end)
+        wait_until(lambda: not c.chief.state.members.get(wid).live, timeout_s=6, what="the worker to expire")
+        assert time.monotonic() - t0 < 3.5    # a third of the lease (2 s) plus a tick, not the whole 6 s
+    finally:
+        t._pool.shutdown(wait=False)
+        for client in t._clients.values():
+            client.close()
