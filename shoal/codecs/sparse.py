@@ -1,8 +1,16 @@
 """``topk``: only the ``k`` largest-magnitude elements are sent.
 
-Byte layout (little-endian): ``k`` x int32 indices, strictly increasing and in
-``[0, numel)``, then ``k`` x float32 values (``8k`` bytes). ``k`` follows from
-the payload length, so a decoder accepts any ``k <= numel`` whatever ratio the
+Byte layout (little-endian). The tensor is cut into blocks of 65536 elements
+(``B = ceil(numel / 65536)``, the last one possibly shorter):
+
+- ``B`` x uint32: how many entries each block has;
+- ``k`` x uint16: each entry's index inside its block, blocks in order and
+  indices strictly increasing (so every global index is too, and ``< numel``);
+- ``k`` x float32: the values.
+
+That is ``4B + 6k`` bytes: 6 per entry instead of 8 with plain int32 indices,
+so 1% top-k is 66x smaller than fp32 rather than 50x. ``k`` follows from the
+payload length, so a decoder accepts any ``k <= numel`` whatever ratio the
 sender used; this codec sends ``k = ceil(ratio * numel)`` (at least 1, at most
 ``numel``; 0 for an empty tensor). Every other element decodes to zero.
 
@@ -22,6 +30,8 @@ import torch
 from .base import (Buffer, Codec, CodecError, as_bytes, check_input, check_numel, read_tensor, register_codec,
                    to_bytes)
 
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS  # elements per block of block-local uint16 indices
 _SAMPLE_STRIDE = 64      # one sampled element per this many
 _MIN_SAMPLED_NUMEL = 1 << 16  # below this a full topk is already cheap
 _MARGIN = 1.3            # candidates aimed for, as a multiple of k
@@ -73,28 +83,42 @@ class TopKCodec(Codec):
     def _encode(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor, torch.Tensor]:
         idx = torch.sort(topk_indices(x.abs(), self.k(x.numel()))).values
         values = x[idx]
-        return to_bytes(idx.to(torch.int32), values), idx, values
+        counts = torch.bincount(idx >> BLOCK_BITS, minlength=num_blocks(x.numel())).to(torch.int32)
+        local = idx & (BLOCK - 1)
+        local16 = torch.where(local >= BLOCK // 2, local - BLOCK, local).to(torch.int16)   # uint16 bits
+        return to_bytes(counts, local16, values), idx, values
 
     def decode(self, buf: Buffer, numel: int) -> torch.Tensor:
         view, numel = as_bytes(buf), check_numel(numel)
-        if view.nbytes % 8:
-            raise CodecError(f"topk payload of {view.nbytes} bytes is not a whole number of (int32, fp32) pairs")
-        k = view.nbytes // 8
+        blocks = num_blocks(numel)
+        if view.nbytes < 4 * blocks or (view.nbytes - 4 * blocks) % 6:
+            raise CodecError(f"topk payload of {view.nbytes} bytes for {numel} elements is not {blocks} block "
+                             f"count(s) and whole (uint16, fp32) entries")
+        k = (view.nbytes - 4 * blocks) // 6
         if k > numel:
             raise CodecError(f"topk payload holds {k} entries, more than the {numel} elements")
         out = torch.zeros(numel, dtype=torch.float32)
+        counts = np.frombuffer(view, dtype="<u4", count=blocks).astype(np.int64)
+        if int(counts.sum()) != k:
+            raise CodecError(f"topk block counts add up to {int(counts.sum())}, the payload holds {k} entries")
         if k == 0:
             return out
-        idx = np.frombuffer(view, dtype="<i4", count=k)
-        if idx[0] < 0 or idx[-1] >= numel:
-            raise CodecError(f"topk index out of range [0, {numel}): first {idx[0]}, last {idx[-1]}")
+        local = np.frombuffer(view, dtype="<u2", count=k, offset=4 * blocks).astype(np.int64)
+        idx = np.repeat(np.arange(blocks, dtype=np.int64) << BLOCK_BITS, counts) + local
+        if idx[-1] >= numel:
+            raise CodecError(f"topk index out of range [0, {numel}): last {idx[-1]}")
         if k > 1 and not (np.diff(idx) > 0).all():
             raise CodecError("topk indices are not strictly increasing")
-        values = read_tensor(view, torch.float32, k, offset=4 * k)
-        return out.index_copy_(0, torch.from_numpy(idx.astype(np.int64)), values)
+        values = read_tensor(view, torch.float32, k, offset=4 * blocks + 2 * k)
+        return out.index_copy_(0, torch.from_numpy(idx), values)
 
     def encoded_size(self, numel: int) -> int:
-        return 8 * self.k(numel)
+        return 4 * num_blocks(numel) + 6 * self.k(numel)
 
     def encoded_size_bound(self, numel: int) -> int:
-        return 8 * numel
+        return 4 * num_blocks(numel) + 6 * numel
+
+
+def num_blocks(numel: int) -> int:
+    """How many index blocks cover ``numel`` elements."""
+    return -(-numel // BLOCK)

@@ -118,12 +118,15 @@ def test_topk_keeps_exactly_the_largest(n, ratio):
     x = randn(n)
     payload, y = roundtrip("topk", x, ratio=ratio)
     k = 0 if n == 0 else max(1, math.ceil(ratio * n))
-    assert len(payload) == 8 * k
+    blocks = -(-n // 65536)
+    assert len(payload) == 4 * blocks + 6 * k
     expected = np.sort(np.argsort(-np.abs(x.numpy()), kind="stable")[:k])
     kept = np.flatnonzero(y.numpy())
     np.testing.assert_array_equal(kept, expected)
     assert torch.equal(y[expected], x[expected])
-    np.testing.assert_array_equal(np.frombuffer(payload, "<i4", k), expected)
+    counts = np.frombuffer(payload, "<u4", blocks)
+    np.testing.assert_array_equal(counts, np.bincount(expected >> 16, minlength=blocks))
+    np.testing.assert_array_equal(np.frombuffer(payload, "<u2", k, 4 * blocks), expected & 0xFFFF)
 
 
 @pytest.mark.parametrize("pattern", ["periodic", "sparse"])
@@ -225,8 +228,8 @@ def test_decode_rejects_wrong_length(name, n):
     if name in ("none", "fp16", "bf16", "int8"):  # the size is a function of numel that tells n from n + 1
         with pytest.raises(CodecError, match=f"must be {codec.encoded_size(n + 1)} bytes"):
             codec.decode(payload, n + 1)
-    if name == "topk" and n:
-        with pytest.raises(CodecError, match="more than"):
+    if name == "topk" and n:     # (numel 0 has no block count, so its message is about the layout)
+        with pytest.raises(CodecError, match="more than" if codec.k(n) > 1 else "block count"):
             codec.decode(payload, codec.k(n) - 1)
 
 
@@ -236,18 +239,40 @@ def test_decode_rejects_bad_numel(numel):
         get_codec("none").decode(b"\0" * 12, numel)
 
 
-def topk_payload(indices: list[int], values: list[float] | None = None) -> bytes:
+def topk_payload(indices: list[int], values: list[float] | None = None, counts: list[int] | None = None) -> bytes:
+    """A topk payload of one index block (10-element tensors), counts given or right."""
     values = values if values is not None else [1.0] * len(indices)
-    return np.array(indices, "<i4").tobytes() + np.array(values, "<f4").tobytes()
+    counts = counts if counts is not None else [len(indices)]
+    return (np.array(counts, "<u4").tobytes() + np.array(indices, "<u2").tobytes()
+            + np.array(values, "<f4").tobytes())
 
 
 @pytest.mark.parametrize("indices, message", [
-    ([0, 10], "out of range"), ([-1, 3], "out of range"), ([2, 2], "strictly increasing"),
+    ([0, 10], "out of range"), ([2, 2], "strictly increasing"),
     ([3, 1], "strictly increasing"), ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9], "more than"),
 ])
 def test_topk_rejects_bad_indices(indices, message):
     with pytest.raises(CodecError, match=message):
         get_codec("topk").decode(topk_payload(indices), 10)
+
+
+def test_topk_rejects_counts_that_do_not_add_up():
+    with pytest.raises(CodecError, match="add up"):
+        get_codec("topk").decode(topk_payload([1, 4], counts=[3]), 10)
+    with pytest.raises(CodecError, match="block count"):
+        get_codec("topk").decode(b"\1\0", 10)
+
+
+def test_topk_indices_span_blocks():
+    n = 3 * 65536 + 5
+    idx = [0, 65535, 65536, 2 * 65536 + 7, n - 1]
+    payload = (np.array([2, 1, 1, 1], "<u4").tobytes() + np.array([i & 0xFFFF for i in idx], "<u2").tobytes()
+               + np.arange(1, 6, dtype="<f4").tobytes())
+    y = get_codec("topk").decode(payload, n)
+    assert np.flatnonzero(y.numpy()).tolist() == idx and y[idx].tolist() == [1, 2, 3, 4, 5]
+    bad = np.array([1, 2, 1, 1], "<u4").tobytes() + payload[16:]     # 65535 counted in block 1: decreasing
+    with pytest.raises(CodecError, match="strictly increasing"):
+        get_codec("topk").decode(bad, n)
 
 
 def test_topk_decodes_any_k():
