@@ -2,9 +2,12 @@
 
 Against raw TCP between two Python processes moving the same bytes (64 MB
 there, 64 MB back with ``sendall`` / ``recv_into``), in the same run. Prints
-one JSON object per case and the ratio.
+one JSON object per case and the ratio. shoal runs once per transport: its TCP
+data channel (the default) and gRPC, with shards not replicated (the raw TCP
+side keeps no second copy either), then replicated. Steps after ``--warmup`` are timed: the
+first few grow every process's heap to its working set (page faults).
 
-    .venv/bin/python bench/wire.py [--mb 64] [--reps 5]
+    .venv/bin/python bench/wire.py [--mb 64] [--reps 10] [--warmup 3]
 """
 from __future__ import annotations
 
@@ -56,44 +59,54 @@ def tcp_round_trips(nbytes: int, reps: int) -> list[float]:
     return times
 
 
-def shoal_steps(mb: int, reps: int, compression: str, pull_codec: str) -> tuple[list[float], int]:
+def shoal_steps(mb: int, reps: int, warmup: int, transport: str, replicas: int) -> tuple[list[float], int]:
     from _servers import Servers
 
     from shoal.worker import Trainer
 
     numel = mb * (1 << 20) // 4
     model = torch.nn.Linear(numel // 1024, 1024, bias=False)
-    with Servers(2) as servers:
+    with Servers(2, extra_chief=("--replicas", str(replicas))) as servers:
         trainer = Trainer(model, chief=servers.chief, optimizer="sgd", lr=1e-6, overlap=False,
-                          compression=compression, pull_codec=pull_codec)
+                          transport=transport)
         model.weight.grad.normal_()
+        for _ in range(warmup):
+            trainer.step()
         times = []
         before = trainer.counters.bytes_pushed + trainer.counters.bytes_pulled
-        for _ in range(reps + 1):
+        for _ in range(reps):
             t = time.perf_counter()
             trainer.step()
             times.append(time.perf_counter() - t)
-        moved = (trainer.counters.bytes_pushed + trainer.counters.bytes_pulled - before) // (reps + 1)
+        moved = (trainer.counters.bytes_pushed + trainer.counters.bytes_pulled - before) // reps
         trainer.close()
-    return times[1:], moved
+    return times, moved
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--transports", nargs="+", default=["tcp", "grpc"], choices=["tcp", "grpc"])
+    p.add_argument("--replicated", nargs="*", default=["tcp"], choices=["tcp", "grpc"],
+                   help="transports to run once more with each shard replicated on the other ps (its "
+                        "forwarding is not part of the bytes counted)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     nbytes = args.mb << 20
-    tcp = tcp_round_trips(nbytes, args.reps + 1)[1:]
+    tcp = tcp_round_trips(nbytes, args.warmup + args.reps)[args.warmup:]
     tcp_gbps = 2 * nbytes / statistics.median(tcp) / 1e9
     print(json.dumps({"case": "raw-tcp", "mb": args.mb, "median_s": round(statistics.median(tcp), 4),
                       "gb_per_s": round(tcp_gbps, 3)}), flush=True)
-    times, moved = shoal_steps(args.mb, args.reps, "none", "none")
-    gbps = moved / statistics.median(times) / 1e9
-    print(json.dumps({"case": "shoal-push-pull", "mb": args.mb, "shards": 2, "median_s": round(statistics.median(times), 4),
-                      "bytes_per_step": moved, "gb_per_s": round(gbps, 3),
-                      "ratio_vs_tcp": round(gbps / tcp_gbps, 3)}), flush=True)
+    cases = [(t, 1) for t in args.transports] + [(t, 2) for t in args.replicated]
+    for transport, replicas in cases:
+        times, moved = shoal_steps(args.mb, args.reps, args.warmup, transport, replicas)
+        gbps = moved / statistics.median(times) / 1e9
+        name = f"shoal-push-pull-{transport}" + ("-replicated" if replicas == 2 else "")
+        print(json.dumps({"case": name, "mb": args.mb, "shards": 2, "replicas": replicas,
+                          "median_s": round(statistics.median(times), 4), "bytes_per_step": moved,
+                          "gb_per_s": round(gbps, 3), "ratio_vs_tcp": round(gbps / tcp_gbps, 3)}), flush=True)
 
 
 if __name__ == "__main__":

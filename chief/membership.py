@@ -10,6 +10,14 @@ Lifecycle of a member (``MemberState``)::
 
 LEFT and EXPIRED are final for that member id; a process that comes back joins
 again (optionally asking for its old id, which it gets back if it has expired).
+
+Besides leases, two sightings of a dropped connection end a worker early. A
+process that dies (SIGKILL, OOM) has every socket closed by its kernel at once,
+so the chief sees its view watch break off unanswered and a parameter server
+sees its data channel close. Either alone may be a blip and only cuts the
+lease to a third (:meth:`Membership.watch_closed`, :meth:`Membership.connection_lost`);
+both within ``lease / 3`` of each other, with no heartbeat or new watch in
+between, end it now.
 """
 from __future__ import annotations
 
@@ -68,6 +76,10 @@ class Membership:
         self._clock = clock
         self._members: dict[str, Member] = {}
         self._next_id = {Role.WORKER: 0, Role.PS: 0}
+        # Connection sightings (not journaled: a restarted chief has seen no connection yet).
+        self._watches: dict[str, int] = {}
+        self._watch_broken: dict[str, float] = {}
+        self._conn_lost: dict[str, float] = {}
 
     def _new_id(self, role: Role) -> str:
         n = self._next_id[role]
@@ -77,6 +89,8 @@ class Membership:
     def join(self, role: Role, address: str = "", host: str = "", member_id: str = "") -> Member:
         now = self._clock()
         old = self._members.get(member_id) if member_id else None
+        if member_id:
+            self._clear_sightings(member_id)
         if old is not None and old.live and old.role is role:
             old.lease_until = now + self.lease_seconds
             return old
@@ -99,6 +113,7 @@ class Membership:
         m.lease_until = self._clock() + self.lease_seconds
         if counters is not None:
             m.counters = counters
+        self._clear_sightings(member_id)         # it is alive, whatever its sockets did
         return True
 
     def leave(self, member_id: str, counters: Counters | None = None) -> Member:
@@ -131,6 +146,48 @@ class Membership:
             m.lease_until = until
             log.debug("member %s: connection closed; lease cut to %.2fs", member_id, left_s)
         return True
+
+    def watch_opened(self, member_id: str) -> None:
+        """The member watches the view (again): an earlier broken watch was a blip."""
+        self._watches[member_id] = self._watches.get(member_id, 0) + 1
+        self._watch_broken.pop(member_id, None)
+
+    def watching(self, member_id: str) -> bool:
+        """Whether the member has a view watch open now."""
+        return self._watches.get(member_id, 0) > 0
+
+    def watch_closed(self, member_id: str, answered: bool) -> bool:
+        """A view watch ended. Unanswered (it broke off), the lease is cut to a third; True if a
+        parameter server saw the member's data connection drop too (recently, with no sign of life
+        since): the caller ends it now."""
+        left = self._watches.get(member_id, 0) - 1
+        if left > 0:
+            self._watches[member_id] = left
+        else:
+            self._watches.pop(member_id, None)
+        if answered or not self.cut_lease(member_id, self.lease_seconds / 3):
+            return False
+        self._watch_broken[member_id] = self._clock()
+        return self._recent(self._conn_lost, member_id)
+
+    def connection_lost(self, member_id: str) -> bool:
+        """A parameter server saw the worker drop its data connection: its lease is cut to a third.
+        True if its view watch broke off too (recently, with no sign of life since): the caller ends
+        it now."""
+        m = self._members.get(member_id)
+        if m is None or not m.live or m.role is not Role.WORKER:
+            return False
+        self.cut_lease(member_id, self.lease_seconds / 3)
+        self._conn_lost[member_id] = self._clock()
+        return self._recent(self._watch_broken, member_id)
+
+    def _recent(self, seen: dict[str, float], member_id: str) -> bool:
+        at = seen.get(member_id)
+        return at is not None and self._clock() - at <= self.lease_seconds / 3
+
+    def _clear_sightings(self, member_id: str) -> None:
+        self._watch_broken.pop(member_id, None)
+        self._conn_lost.pop(member_id, None)
 
     def expire_now(self, member_id: str, why: str) -> Member | None:
         """Ends a live member's lease at once (the chief could not reach it); None if it was not live."""

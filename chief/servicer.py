@@ -94,18 +94,28 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def ReportUnreachable(self, request, context):
-        """A member could not reach a ps: probe it ourselves; if it does not answer, end its lease now."""
+        """A member could not reach another. A ps: probe it ourselves; if it does not answer, end its
+        lease now. A worker (a ps saw its data connection drop): end it if its view watch broke too."""
         with self._locked():
             m = self.state.members.find(request.member_id)
+            if m is not None and m.live and m.role is Role.WORKER:
+                expired = self.state.connection_lost(request.member_id, request.reporter_id)
+                if expired:
+                    self._changed_now(f"expired {request.member_id}: connection lost")
+                return pb.UnreachableReply(expired=expired)
             address = m.address if m is not None and m.live and m.role is Role.PS else ""
         if not address or probe(address, self.probe_timeout_s):
             return pb.UnreachableReply(expired=False)
         with self._locked():
             expired = self.state.expire(request.member_id, f"unreachable for {request.reporter_id} and the chief")
             if expired:
-                self._save(f"expired {request.member_id}: unreachable")
-                self._cond.notify_all()
+                self._changed_now(f"expired {request.member_id}: unreachable")
         return pb.UnreachableReply(expired=expired)
+
+    def _changed_now(self, event: str) -> None:
+        """Journals a change and wakes the view watchers (lock held)."""
+        self._save(event)
+        self._cond.notify_all()
 
     def _view(self) -> pb.ClusterView:
         return convert.view_to_pb(self.state.view())
@@ -158,8 +168,10 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         if request.member_id and context is not None:
             # A watch that breaks off before its answer means the process (or its socket) is gone: cut
             # its lease to a third, which a live member's next heartbeat (every quarter lease) renews.
-            context.add_callback(lambda: answered or self._watch_broke(request.member_id))
+            context.add_callback(lambda: self._watch_closed(request.member_id, bool(answered)))
         with self._locked():
+            if request.member_id:
+                self.state.watch_opened(request.member_id)
             while self.state.epoch <= request.after_epoch and context.is_active():
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -170,9 +182,16 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             answered.append(True)
             return self._view()
 
-    def _watch_broke(self, member_id: str) -> None:
+    def _watch_closed(self, member_id: str, answered: bool) -> None:
+        """gRPC's callback for a watch that ended, answered or not (it must not raise)."""
         with self._cond:
-            self.state.members.cut_lease(member_id, self.state.job.lease_seconds / 3)
+            if self.failed is not None:
+                return
+            if self.state.watch_closed(member_id, answered):
+                try:
+                    self._changed_now(f"expired {member_id}: connection lost")
+                except JournalError:
+                    pass          # logged, and the chief is failed: it stops
 
     @grpc_errors
     def GetTasks(self, request, context):

@@ -159,6 +159,23 @@ class ChiefState:
         self._changed(f"expired {member_id} ({why})")
         return True
 
+    def watch_opened(self, member_id: str) -> None:
+        self.members.watch_opened(member_id)
+
+    def watch_closed(self, member_id: str, answered: bool) -> bool:
+        """A member's view watch ended; True if it broke off and that ended the member (see Membership)."""
+        if self.members.watch_closed(member_id, answered):
+            return self.expire(member_id, "its view watch broke and a parameter server saw its data "
+                                          "connection drop: the process is gone")
+        return False
+
+    def connection_lost(self, member_id: str, reporter: str) -> bool:
+        """A ps saw a worker drop its data connection; True if that ended the worker (see Membership)."""
+        if self.members.connection_lost(member_id):
+            return self.expire(member_id, f"{reporter} saw its data connection drop and its view watch "
+                                          f"broke: the process is gone")
+        return False
+
     def _drop(self, m: Member, graceful: bool = False) -> None:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)

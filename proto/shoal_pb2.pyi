@@ -453,6 +453,14 @@ class PullHeader(_message.Message):
     shard_numel: int
     def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., shard_numel: _Optional[int] = ...) -> None: ...
 
+class DataChannelOffer(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
 class ShardStatus(_message.Message):
     __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions")
     class WorkerClocksEntry(_message.Message):

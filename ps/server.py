@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import logging
 import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 
 from shoal.ps.checkpoint_servicer import ShardControlServicer, restore_shard
 from shoal.ps.optim import warm_up
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer, StatusServicer
+from shoal.ps.tcp_server import DataChannelServer
 from shoal import convert
 from shoal.chief_client import ChiefClient
 from shoal.proto import shoal_pb2 as pb
@@ -20,13 +24,20 @@ SERVICE = "shoal.ParameterServer"
 
 
 class PSServer:
-    def __init__(self, chief: str, bind: str = "127.0.0.1:0", advertise: str = ""):
+    """``data_port``: where the raw TCP data channel listens (0: any free port; None: no channel,
+    workers push and pull over gRPC)."""
+
+    def __init__(self, chief: str, bind: str = "127.0.0.1:0", advertise: str = "", data_port: int | None = 0):
         self.host = ShardHost()
         self.server, self.port, self._health = create_server(bind)
-        self.server.add_generic_rpc_handlers((DataServicer(self.host).handler(),))
+        self.data = DataServicer(self.host)
+        self.server.add_generic_rpc_handlers((self.data.handler(),))
         pb_grpc.add_ParameterServerServicer_to_server(StatusServicer(self.host), self.server)
         pb_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.host), self.server)
         bind_host = bind.rsplit(":", 1)[0].strip("[]")
+        self.channel = None if data_port is None else DataChannelServer(
+            self.data, bind_host or "0.0.0.0", data_port, on_lost=self._worker_dropped)
+        self._reports = ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
         if not advertise:
             advertise = bind_host if bind_host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.address = f"{advertise}:{self.port}"
@@ -34,6 +45,8 @@ class PSServer:
 
     def start(self) -> "PSServer":
         warm_up()
+        if self.channel is not None:
+            self.channel.start()
         self.server.start()
         reply = self.chief.join()
         job = convert.job_from_pb(reply.view.job)
@@ -61,10 +74,28 @@ class PSServer:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
         self.host.set_view(workers, view.completed_epochs, list(view.shards))
 
+    def _worker_dropped(self, member_id: str) -> None:
+        """A worker's data connection closed under it: tell the chief, which ends the worker at once if
+        its view watch broke too (a dead process), long before its lease would run out."""
+        if member_id in self.host.live_workers:
+            self._reports.submit(self._report_dropped, member_id)
+
+    def _report_dropped(self, member_id: str) -> None:
+        try:
+            reply = self.chief.stub.ReportUnreachable(
+                pb.UnreachableReport(reporter_id=self.chief.member_id, member_id=member_id), timeout=5)
+            if reply.expired:
+                log.warning("worker %s dropped its connection and the chief confirmed it is gone", member_id)
+        except grpc.RpcError as exc:
+            log.info("could not report worker %s's dropped connection: %s", member_id, exc.code().name)
+
     def stop(self, grace_s: float = 2.0) -> None:
         set_serving(self._health, SERVICE, False)
         self.chief.leave()
         self.host.close()
+        if self.channel is not None:
+            self.channel.close()
+        self._reports.shutdown(wait=False)
         self.server.stop(grace_s).wait()
         self.chief.close()
 

@@ -33,6 +33,7 @@ class DataServicer:
     def __init__(self, host: ShardHost, pull_chunk_bytes: int = 1 << 20):
         self.host = host
         self.pull_chunk_bytes = pull_chunk_bytes
+        self.offer = pb.DataChannelOffer()     # set by the ps once its TCP data channel listens
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(DATA_SERVICE, {
@@ -44,7 +45,12 @@ class DataServicer:
             "Replicate": grpc.stream_unary_rpc_method_handler(self.Replicate),
             "ReplicateOne": grpc.unary_unary_rpc_method_handler(self.ReplicateOne),
             "Install": grpc.stream_unary_rpc_method_handler(self.Install),
+            "OpenChannel": grpc.unary_unary_rpc_method_handler(self.OpenChannel),
         })
+
+    def OpenChannel(self, request: bytes, context) -> bytes:
+        """Where this ps takes the raw TCP data channel (port 0: it has none)."""
+        return self.offer.SerializeToString()
 
     # ------------------------------------------------------------ from this shard's primary
 
@@ -104,41 +110,15 @@ class DataServicer:
 
     @grpc_errors
     def Push(self, request_iterator: Iterator[bytes], context) -> bytes:
-        first, shard, grad, covered, nbytes, owned = None, None, None, 0, 0, False
+        push, nbytes = PushAssembly(self), 0
         for frame in request_iterator:
             nbytes += len(frame)
             head, payload = frames.unpack(frame, pb.PushHeader)
-            if first is None:
-                first = head
-                shard = self.host.get(head.shard)
-                if head.layout_fingerprint != shard.fingerprint:
-                    raise FailedPrecondition(f"push for layout {head.layout_fingerprint}; shard {head.shard} "
-                                             f"holds {shard.fingerprint}")
-            elif (head.shard, head.key, head.version, head.worker_id) != (first.shard, first.key, first.version, first.worker_id):
-                raise InvalidArgument("Push frames disagree on shard, key, version or worker")
-            if head.offset != covered or head.numel < 0 or head.offset + head.numel > shard.numel:
-                raise InvalidArgument(f"push chunk [{head.offset}, {head.offset + head.numel}) does not continue "
-                                      f"at {covered} inside shard {head.shard} of {shard.numel} elements")
-            chunk = decode_chunk(head.codec, payload, head.numel)
-            if head.offset == 0 and head.numel == shard.numel:
-                grad = chunk          # one chunk covers the shard: use it without a copy
-                owned = head.codec not in ("", "none")   # decoded codecs return fresh tensors
-            else:
-                if grad is None:
-                    grad = torch.empty(shard.numel, dtype=torch.float32)
-                    owned = True
-                grad[head.offset:head.offset + head.numel] = chunk
-            covered += head.numel
-        if first is None:
-            raise InvalidArgument("Push carried no frames")
-        if covered != shard.numel:
-            raise InvalidArgument(f"push covers {covered} of shard {first.shard}'s {shard.numel} elements")
-        self.host.count(inbound=nbytes)
-        r = shard.push(first.worker_id, first.version, grad, first.key, self._batch_of(first), owned=owned)
-        return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason,
-                            duplicate=r.duplicate).SerializeToString()
+            push.check(head)
+            push.place(head, decode_chunk(head.codec, payload, head.numel), fresh=head.codec not in ("", "none"))
+        return push.finish(nbytes).SerializeToString()
 
-    def _batch_of(self, head: pb.PushHeader) -> BatchKey | None:
+    def batch_of(self, head: pb.PushHeader) -> BatchKey | None:
         """Checks a push's claim to its data: a task token the chief signed, a batch inside it."""
         if not head.has_batch:
             return None
@@ -165,7 +145,7 @@ class DataServicer:
     @grpc_errors
     def PullOne(self, request: bytes, context) -> bytes:
         """Unary Pull: the whole shard in one frame, built once per version (one copy of the weights)."""
-        req, shard = self._pull_ready(request)
+        req, shard = self.pull_ready(request)
         codec = req.codec or "none"
 
         def build(version: int, raw: memoryview) -> bytes:
@@ -177,7 +157,7 @@ class DataServicer:
         self.host.count(outbound=len(frame))
         return frame
 
-    def _pull_ready(self, request: bytes) -> tuple[pb.PullRequest, Shard]:
+    def pull_ready(self, request: bytes) -> tuple[pb.PullRequest, Shard]:
         req = pb.PullRequest.FromString(request)
         shard = self.host.get(req.shard)
         if req.layout_fingerprint and req.layout_fingerprint != shard.fingerprint:
@@ -187,7 +167,7 @@ class DataServicer:
         return req, shard
 
     def _pull_frames(self, request: bytes, chunk_bytes: int) -> list[bytes]:
-        req, shard = self._pull_ready(request)
+        req, shard = self.pull_ready(request)
         codec = req.codec or "none"
         version, raw = shard.snapshot(codec)
         out = list(iter_chunks(raw, codec, chunk_bytes,
@@ -195,6 +175,69 @@ class DataServicer:
                                                             numel=n, codec=codec, shard_numel=shard.numel)))
         self.host.count(outbound=sum(len(f) for f in out))
         return out
+
+
+class PushAssembly:
+    """One push's chunks gathered into the shard's gradient, each header checked against the first.
+
+    Both transports use it: gRPC hands it decoded chunks, the TCP channel asks
+    where a raw fp32 chunk's bytes go and receives them there.
+    """
+
+    def __init__(self, servicer: DataServicer):
+        self.servicer = servicer
+        self.first: pb.PushHeader | None = None
+        self.shard: Shard | None = None
+        self.grad: torch.Tensor | None = None
+        self.covered = 0
+        self.owned = False
+
+    def check(self, head: pb.PushHeader) -> None:
+        if self.first is None:
+            shard = self.servicer.host.get(head.shard)
+            if head.layout_fingerprint != shard.fingerprint:
+                raise FailedPrecondition(f"push for layout {head.layout_fingerprint}; shard {head.shard} "
+                                         f"holds {shard.fingerprint}")
+            self.first, self.shard = head, shard
+        elif (head.shard, head.key, head.version, head.worker_id) != \
+                (self.first.shard, self.first.key, self.first.version, self.first.worker_id):
+            raise InvalidArgument("Push frames disagree on shard, key, version or worker")
+        numel = self.shard.numel
+        if head.offset != self.covered or head.numel < 0 or head.offset + head.numel > numel:
+            raise InvalidArgument(f"push chunk [{head.offset}, {head.offset + head.numel}) does not continue "
+                                  f"at {self.covered} inside shard {head.shard} of {numel} elements")
+
+    def place(self, head: pb.PushHeader, chunk: torch.Tensor, fresh: bool) -> None:
+        """Adds a decoded chunk; ``fresh``: nobody else holds it, so the shard may keep it."""
+        if head.offset == 0 and head.numel == self.shard.numel:
+            self.grad, self.owned = chunk, fresh     # one chunk covers the shard: no copy
+        else:
+            self._gradient()[head.offset:head.offset + head.numel] = chunk
+        self.covered += head.numel
+
+    def raw_target(self, head: pb.PushHeader) -> memoryview:
+        """The bytes a raw fp32 chunk fills, inside a gradient of the shard's own; counts it placed."""
+        view = frames.tensor_bytes(self._gradient()[head.offset:head.offset + head.numel])
+        self.covered += head.numel
+        return view
+
+    def _gradient(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad, self.owned = torch.empty(self.shard.numel, dtype=torch.float32), True
+        return self.grad
+
+    def finish(self, nbytes: int) -> pb.PushReply:
+        """Offers the gathered gradient to the shard (all chunks present) and says what it did."""
+        first, shard = self.first, self.shard
+        if first is None:
+            raise InvalidArgument("Push carried no frames")
+        if self.covered != shard.numel:
+            raise InvalidArgument(f"push covers {self.covered} of shard {first.shard}'s {shard.numel} elements")
+        self.servicer.host.count(inbound=nbytes)
+        grad = self.grad if self.grad is not None else torch.empty(0, dtype=torch.float32)
+        r = shard.push(first.worker_id, first.version, grad, first.key, self.servicer.batch_of(first),
+                       owned=self.owned)
+        return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate)
 
 
 class StatusServicer(pb_grpc.ParameterServerServicer):

@@ -79,10 +79,11 @@ class ChiefClient:
                 log.warning("leave: chief unreachable (%s); the lease will expire instead", exc.code().name)
 
     def close(self) -> None:
+        """Stops the background threads; closing the channel first cancels a watch that is waiting."""
         self._stop.set()
+        self.channel.close()
         for t in self._threads:
             t.join(timeout=2)
-        self.channel.close()
 
     # ------------------------------------------------------------ view
 
@@ -131,6 +132,10 @@ class ChiefClient:
                 if not reply.known:
                     log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
                     self.join()
+            except ValueError:          # the channel was closed under the call: close() is under way
+                if self._stop.is_set():
+                    return
+                log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
             except grpc.RpcError as exc:
                 failures += 1
                 if failures in (1, 10) or failures % 50 == 0:
@@ -153,3 +158,7 @@ class ChiefClient:
                     log.warning("view watch: %s", exc.code().name)
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)
+            except ValueError:          # the channel was closed under the call: close() is under way
+                if self._stop.is_set():
+                    return
+                raise

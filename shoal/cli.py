@@ -115,7 +115,10 @@ def cmd_chief(args: argparse.Namespace) -> int:
 def cmd_ps(args: argparse.Namespace) -> int:
     from shoal.ps.server import PSServer
 
-    server = PSServer(args.chief, bind=args.bind, advertise=args.advertise).start()
+    if not 0 <= args.data_port <= 65535:
+        raise InvalidArgument(f"--data-port must be a port number (0: any free one), got {args.data_port}")
+    server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
+                      data_port=None if args.no_data_channel else args.data_port).start()
     _write_port(args.port_file, server.port)
     _serve_until_signalled(server)
     return 0
@@ -127,6 +130,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         os.environ["SHOAL_COMPRESSION"] = args.compression
     if args.pull_codec:
         os.environ["SHOAL_PULL_CODEC"] = args.pull_codec
+    if args.transport:
+        os.environ["SHOAL_TRANSPORT"] = args.transport
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
@@ -146,7 +151,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     ckpt = _checkpoint_from(args)
     cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
                       num_workers=args.workers, job=job, compression=args.compression or "none",
-                      pull_codec=args.pull_codec or "none", summary=args.summary or "", run_dir=args.run_dir or "",
+                      pull_codec=args.pull_codec or "none", transport=args.transport or "tcp", summary=args.summary or "", run_dir=args.run_dir or "",
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
@@ -209,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:0"))
     p.add_argument("--advertise", default=os.environ.get("SHOAL_ADVERTISE", ""),
                    help="host name workers use to reach this server (default: bind host or hostname)")
+    p.add_argument("--data-port", type=int, default=os.environ.get("SHOAL_DATA_PORT", "0"),
+                   help="port of the raw TCP data channel on the bind host (default 0: any free port)")
+    p.add_argument("--no-data-channel", action="store_true",
+                   help="offer no TCP data channel: workers push and pull over gRPC")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.set_defaults(func=cmd_ps)
 
@@ -234,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
             _checkpoint_args(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
         p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))
+        p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
+                       help="carry pushes and pulls over the parameter servers' TCP data channel (tcp, the "
+                            "default, when they offer one) or over gRPC")
         p.add_argument("script")
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)

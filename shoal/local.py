@@ -51,6 +51,7 @@ class LocalConfig:
     job: JobConfig = field(default_factory=JobConfig)
     compression: str = "none"
     pull_codec: str = "none"
+    transport: str = "tcp"
     summary: str = ""
     run_dir: str = ""
     startup_timeout_s: float = 60.0
@@ -188,7 +189,8 @@ class LocalCluster:
     def start_worker(self, name: str) -> Child:
         index = name.removeprefix("worker")
         return self._spawn(name, ["worker", "--chief", self.chief_address, "--compression", self.cfg.compression,
-                                  "--pull-codec", self.cfg.pull_codec, self.cfg.script, *self.cfg.script_args],
+                                  "--pull-codec", self.cfg.pull_codec, "--transport", self.cfg.transport,
+                                  self.cfg.script, *self.cfg.script_args],
                            {"SHOAL_LOCAL_INDEX": index})
 
     def workers(self) -> list[Child]:

@@ -33,6 +33,8 @@ class InProcessCluster:
     def kill_ps(self, i: int) -> None:
         """Parameter server ``i`` dies as a process would on SIGKILL: no goodbye, its lease runs out."""
         ps = self.servers[i]
+        if ps.channel is not None:
+            ps.channel.close()
         ps.server.stop(0).wait()
         ps.chief.close()          # heartbeats stop; no Leave
         ps.host.close()

@@ -24,6 +24,7 @@ PULL_ONE = f"/{DATA_SERVICE}/PullOne"
 REPLICATE = f"/{DATA_SERVICE}/Replicate"
 REPLICATE_ONE = f"/{DATA_SERVICE}/ReplicateOne"
 INSTALL = f"/{DATA_SERVICE}/Install"
+OPEN_CHANNEL = f"/{DATA_SERVICE}/OpenChannel"
 
 # Pull payload encodings (weights, not gradients: no error feedback needed).
 PULL_ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2}
@@ -89,3 +90,4 @@ class DataStubs:
         self.replicate = channel.stream_unary(REPLICATE)
         self.replicate_one = channel.unary_unary(REPLICATE_ONE)
         self.install = channel.stream_unary(INSTALL)
+        self.open_channel = channel.unary_unary(OPEN_CHANNEL)

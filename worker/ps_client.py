@@ -1,40 +1,111 @@
-"""Client of one parameter shard's data plane: Init, Push, Pull over raw frames."""
+"""Client of one parameter shard's data plane: Init, Push, Pull.
+
+Push and Pull take the ps's raw TCP data channel when it offers one
+(:mod:`shoal.worker.tcp_client`), else gRPC with raw frames; Init always goes
+over gRPC (once per job). Both transports fail with ``grpc.RpcError`` codes,
+so callers handle them alike.
+"""
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Callable
 
 import grpc
 import torch
 
 from shoal import frames
 from shoal.config import OptimizerSpec
+from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.rpc import open_channel
 from shoal.wire import PULL_ITEMSIZE, DataStubs, decode_weights
+from shoal.worker import tcp_client
+from shoal.worker.tcp_client import TcpDataChannel, split_host
 
 log = logging.getLogger(__name__)
 
+TRANSPORTS = ("tcp", "grpc")
+TCP_CHUNK_BYTES = 16 << 20     # the TCP channel needs no small frames; chunks only bound encoding memory
+
 
 class ShardClient:
-    """Talks to the process currently serving ``shard`` at ``address``."""
+    """Talks to the process currently serving ``shard`` at ``address``.
+
+    ``transport``: ``tcp`` (default) uses the ps's TCP data channel when it
+    offers one and can be reached, else gRPC; ``grpc`` never tries it.
+    ``member_id`` names this worker to the ps's data channel.
+    """
 
     def __init__(self, shard: int, address: str, numel: int, fingerprint: str,
-                 chunk_bytes: int = 1 << 20):
+                 chunk_bytes: int = 1 << 20, transport: str = "tcp", member_id: Callable[[], str] = lambda: ""):
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"unknown data transport {transport!r}; known: {', '.join(TRANSPORTS)}")
         self.shard = shard
         self.address = address
         self.numel = numel
         self.fingerprint = fingerprint
-        self.chunk_bytes = chunk_bytes
+        self.grpc_chunk_bytes = chunk_bytes
+        self.transport = transport
+        self.member_id = member_id
         self.channel = open_channel(address)
         self._stubs = DataStubs(self.channel)
+        self._tcp: TcpDataChannel | None = None
+        self._negotiated = transport == "grpc"
+        self._lock = threading.Lock()
+        self._scratch = bytearray()
+
+    @property
+    def chunk_bytes(self) -> int:
+        """How large the chunks of a push should be (fp32 bytes) for the transport in use (before the
+        first call: the one asked for)."""
+        if self._negotiated:
+            return TCP_CHUNK_BYTES if self._tcp is not None else self.grpc_chunk_bytes
+        return TCP_CHUNK_BYTES if self.transport == "tcp" else self.grpc_chunk_bytes
+
+    @property
+    def uses_tcp(self) -> bool:
+        return self._data_channel() is not None
+
+    @property
+    def tcp(self) -> TcpDataChannel | None:
+        """The TCP data channel in use (None: gRPC carries the data)."""
+        return self._data_channel()
 
     def close(self) -> None:
+        if self._tcp is not None:
+            self._tcp.close()
         self.channel.close()
+
+    def _data_channel(self) -> TcpDataChannel | None:
+        """The TCP data channel, negotiated on first use: None if the ps offers none or it cannot be reached
+        (then gRPC carries the data). A ps that does not answer raises (the caller fails over)."""
+        if self._negotiated:
+            return self._tcp
+        with self._lock:
+            if self._negotiated:
+                return self._tcp
+            try:
+                offer = pb.DataChannelOffer.FromString(self._stubs.open_channel(b"", timeout=10))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                offer = pb.DataChannelOffer()           # an older ps: gRPC only
+            if offer.port:
+                tcp = TcpDataChannel(split_host(self.address), offer, self.member_id)
+                try:
+                    tcp.release(tcp.connect())
+                    self._tcp = tcp
+                except OSError as exc:
+                    log.warning("shard %d: cannot reach the TCP data channel at %s:%d (%s); using gRPC, "
+                                "which is slower", self.shard, tcp.host, tcp.port, exc)
+            self._negotiated = True
+            return self._tcp
 
     def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60) -> pb.InitReply:
         opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams))
         raw = frames.tensor_bytes(values)
-        per = max(1, self.chunk_bytes // 4)
+        per = max(1, self.grpc_chunk_bytes // 4)
 
         def gen():
             off = 0
@@ -55,31 +126,36 @@ class ShardClient:
 
         ``batch`` holds the PushHeader fields naming the data (task, token, batch range).
         """
-        sent = 0
+        def header(off: int, n: int, tag: str) -> pb.PushHeader:
+            return pb.PushHeader(worker_id=worker, shard=self.shard, layout_fingerprint=self.fingerprint,
+                                 version=version, codec=tag, offset=off, numel=n, key=key,
+                                 view_epoch=view_epoch, samples=samples, **batch)
 
-        def gen():
-            nonlocal sent
-            for off, n, tag, payload in chunks:
-                head = pb.PushHeader(worker_id=worker, shard=self.shard, layout_fingerprint=self.fingerprint,
-                                     version=version, codec=tag, offset=off, numel=n, key=key,
-                                     view_epoch=view_epoch, samples=samples, **batch)
-                frame = frames.pack(head, payload)
-                sent += len(frame)
-                yield frame
-
-        if len(chunks) == 1:   # one frame: a unary call costs a fraction of a stream's overhead
-            reply = pb.PushReply.FromString(self._stubs.push_one(next(gen()), timeout=timeout_s))
+        tcp = self._data_channel()
+        if tcp is not None:
+            parts = [(header(off, n, tag).SerializeToString(), payload) for off, n, tag, payload in chunks]
+            return tcp.call(lambda sock: tcp_client.push(sock, parts), timeout_s)
+        framed = [frames.pack(header(off, n, tag), payload) for off, n, tag, payload in chunks]
+        sent = sum(len(f) for f in framed)
+        if len(framed) == 1:   # one frame: a unary call costs a fraction of a stream's overhead
+            reply = pb.PushReply.FromString(self._stubs.push_one(framed[0], timeout=timeout_s))
         else:
-            reply = pb.PushReply.FromString(self._stubs.push(gen(), timeout=timeout_s))
+            reply = pb.PushReply.FromString(self._stubs.push(iter(framed), timeout=timeout_s))
         return reply, sent
 
     def pull(self, out: torch.Tensor, min_version: int = 0, codec: str = "none",
              timeout_s: float = 60) -> tuple[int, int]:
         """Fills ``out`` (this shard's fp32 slice) with the weights; returns (version, bytes received)."""
+        itemsize = PULL_ITEMSIZE.get(codec)
+        if itemsize is None:
+            raise InvalidArgument(f"unknown pull codec {codec!r}; known: {', '.join(sorted(PULL_ITEMSIZE))}")
         req = pb.PullRequest(shard=self.shard, min_version=min_version, timeout_seconds=timeout_s * 0.9,
                              codec=codec, layout_fingerprint=self.fingerprint).SerializeToString()
+        tcp = self._data_channel()
+        if tcp is not None:
+            return self._pull_tcp(tcp, req, out, codec, itemsize, timeout_s)
         version, got, covered = -1, 0, 0
-        if self.numel * PULL_ITEMSIZE.get(codec, 4) <= self.chunk_bytes:
+        if self.numel * itemsize <= self.grpc_chunk_bytes:
             frames_in = [self._stubs.pull_one(req, timeout=timeout_s)]
         else:
             frames_in = self._stubs.pull(req, timeout=timeout_s)
@@ -96,7 +172,23 @@ class ShardClient:
             raise RuntimeError(f"shard {self.shard}: pull returned {covered} of {self.numel} elements")
         return version, got
 
+    def _pull_tcp(self, tcp: TcpDataChannel, req: bytes, out: torch.Tensor, codec: str, itemsize: int,
+                  timeout_s: float) -> tuple[int, int]:
+        """fp32 weights land in ``out`` straight from the socket; fp16/bf16 go through a reused buffer."""
+        direct = codec == "none" and out.is_contiguous() and out.dtype == torch.float32 and out.device.type == "cpu"
+
+        def into(nbytes: int) -> memoryview:
+            if direct:
+                return frames.tensor_bytes(out)
+            if len(self._scratch) < nbytes:
+                self._scratch = bytearray(nbytes)
+            return memoryview(self._scratch)[:nbytes]
+
+        head, got, body = tcp.call(lambda sock: tcp_client.pull(sock, req, self.numel, itemsize, into), timeout_s)
+        if not direct:
+            decode_weights(head.codec or "none", body, self.numel, out)
+        return head.version, got
+
 
 def is_uninitialised(exc: grpc.RpcError) -> bool:
     return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not initialised" in (exc.details() or "")
-

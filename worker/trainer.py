@@ -31,7 +31,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 
-from shoal.worker.ps_client import ShardClient, is_uninitialised
+from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
 from shoal.worker.push import GradientEncoder
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,14 @@ class Trainer:
     ``chief`` defaults to ``$SHOAL_CHIEF``. ``optimizer`` and its hyper-parameters
     (``lr``, ``momentum``, ...) configure the server-side optimizer; the first
     worker to initialise a shard decides them. ``compression`` names a gradient
-    codec (``shoal.codecs``); ``pull_codec`` is ``none``, ``fp16`` or ``bf16``.
+    codec (``shoal.codecs``); ``pull_codec`` is ``none``, ``fp16`` or ``bf16``. ``transport``
+    (default ``$SHOAL_TRANSPORT`` or ``tcp``) carries pushes and pulls over the parameter
+    servers' raw TCP data channel; ``grpc`` keeps them on gRPC.
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
-                 ready_timeout_s: float = 120.0, **hparams: float):
+                 transport: str | None = None, ready_timeout_s: float = 120.0, **hparams: float):
         tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
@@ -99,6 +101,9 @@ class Trainer:
         self.optimizer = OptimizerSpec(optimizer, hparams)
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
         self.pull_codec = pull_codec or os.environ.get("SHOAL_PULL_CODEC", "none")
+        self.transport = transport or os.environ.get("SHOAL_TRANSPORT", "tcp")
+        if self.transport not in TRANSPORTS:
+            raise InvalidArgument(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
         self.layout = ModelLayout.from_module(model)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
@@ -116,8 +121,7 @@ class Trainer:
         self.mode = view.job.mode
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
         self._bind_flat_buffers()
-        self._clients = {r.shard: ShardClient(r.shard, r.primary_address, self.plan.shard_numel(r.shard),
-                                              self.layout.fingerprint) for r in view.shards}
+        self._clients = {r.shard: self._client(r.shard, r.primary_address) for r in view.shards}
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
         self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
@@ -139,6 +143,10 @@ class Trainer:
     @property
     def member_id(self) -> str:
         return self.chief.member_id
+
+    def _client(self, shard: int, address: str) -> ShardClient:
+        return ShardClient(shard, address, self.plan.shard_numel(shard), self.layout.fingerprint,
+                           transport=self.transport, member_id=lambda: self.chief.member_id)
 
     def _bind_flat_buffers(self) -> None:
         params = list(self.model.parameters())
@@ -340,8 +348,7 @@ class Trainer:
                 time.sleep(0.05)
             if route.primary_address != failed.address:
                 log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)
-            self._clients[shard] = ShardClient(shard, route.primary_address, failed.numel, failed.fingerprint,
-                                               failed.chunk_bytes)
+            self._clients[shard] = self._client(shard, route.primary_address)
             self.failovers += 1
             failed.close()
 

@@ -1,4 +1,6 @@
 """Trainers against an in-process chief and parameter servers on ephemeral ports."""
+import time
+
 import grpc
 import pytest
 import torch
@@ -32,6 +34,8 @@ def train(trainer, model, x, y, epochs=3):
 def assert_exactly_once(cluster, size, batch_size, epochs):
     want = set(range(0, size, batch_size))
     for ps in cluster.servers:
+        if getattr(ps, "killed", False):              # a dead process's memory is gone with it
+            continue
         for shard in ps.host.shards.values():
             for e in range(epochs):
                 starts = shard.ledger.starts(e)
@@ -81,6 +85,34 @@ def test_sync_round_stops_waiting_for_a_dead_worker(cluster_factory):
     ta.step()                                        # blocks until b's lease expires, then the round closes
     assert c.servers[0].host.get(0).version == 1
     assert tb.member_id not in c.servers[0].host.live_workers
+    ta.close()
+
+
+def test_sync_round_goes_on_at_once_when_a_worker_process_dies(cluster_factory):
+    """A dead process drops its view watch and its data connections together: the chief ends it then,
+    long before its lease (6 s) or the third of a lease a broken watch alone leaves it (2 s)."""
+    c = cluster_factory(1, mode="sync", lease_seconds=6.0)
+    x, y = data(64)
+    a, b = mlp(0), mlp(0)
+    ta = Trainer(a, chief=c.chief_address, lr=0.1)
+    tb = Trainer(b, chief=c.chief_address, lr=0.1)
+    feed_a = iter(ta.batches((x, y), batch_size=8, epochs=5))
+    feed_b = iter(tb.batches((x, y), batch_size=8, epochs=5))
+    next(feed_a), next(feed_b)
+    wait_until(lambda: c.servers[0].host.live_workers == {ta.member_id, tb.member_id}, what="both live")
+    assert all(client.uses_tcp for client in tb._clients.values())
+    wait_until(lambda: c.chief.state.members.watching(tb.member_id), what="b to watch the view")
+    t0 = time.monotonic()
+    tb.chief.close()                                 # as a SIGKILL would: the watch and heartbeats stop...
+    for client in tb._clients.values():
+        client.close()                               # ...and the data connections close, with no Leave
+    ta.zero_grad()
+    a(x[:8]).sum().backward()
+    ta.step()                                        # the round closes once b is gone
+    assert time.monotonic() - t0 < 1.5
+    assert not c.chief.state.members.get(tb.member_id).live
+    assert c.servers[0].host.get(0).version == 1
+    tb._pool.shutdown(wait=False)
     ta.close()
 
 

@@ -1,4 +1,4 @@
-"""The parameter server's data plane over real gRPC on an ephemeral port."""
+"""The parameter server's data plane on ephemeral ports: every test runs over gRPC and over the TCP channel."""
 import grpc
 import pytest
 import torch
@@ -8,25 +8,40 @@ from shoal.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer
+from shoal.ps.tcp_server import DataChannelServer
 from shoal.rpc import create_server, open_channel
 from shoal.worker.ps_client import ShardClient
 
 FP = "layout-fp"
 
 
-@pytest.fixture
-def ps():
+@pytest.fixture(params=["grpc", "tcp"])
+def ps(request):
+    """A ps serving shard 0; with ``tcp`` it also offers the TCP data channel, which clients then use."""
     host = ShardHost()
     host.assign(0, JobConfig(mode="async"))
     server, port, _ = create_server("127.0.0.1:0")
-    server.add_generic_rpc_handlers((DataServicer(host, pull_chunk_bytes=1 << 20).handler(),))
+    servicer = DataServicer(host, pull_chunk_bytes=1 << 20)
+    server.add_generic_rpc_handlers((servicer.handler(),))
+    channel = DataChannelServer(servicer).start() if request.param == "tcp" else None
     server.start()
     yield host, f"127.0.0.1:{port}"
+    if channel is not None:
+        channel.close()
     server.stop(0)
 
 
 def client(addr, numel, chunk_bytes=1 << 20):
     return ShardClient(0, addr, numel, FP, chunk_bytes=chunk_bytes)
+
+
+def test_clients_take_the_tcp_channel_when_offered(ps, request):
+    host, addr = ps
+    c = client(addr, 10)
+    c.init(torch.zeros(10), OptimizerSpec())
+    c.pull(torch.empty(10))
+    assert c.uses_tcp == request.node.callspec.params["ps"].endswith("tcp")
+    assert not ShardClient(0, addr, 10, FP, transport="grpc").uses_tcp
 
 
 def raw_chunks(grad, per):

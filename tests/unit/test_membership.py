@@ -185,3 +185,44 @@ def test_a_broken_watch_cuts_the_lease_short_unless_a_heartbeat_renews_it(clock)
     clock.advance(2.0)
     assert s.tick() == [] and s.members.get(b.member_id).live
     assert not s.members.cut_lease(a.member_id, 1.0)          # already gone
+
+
+def test_a_dead_worker_is_ended_when_its_watch_and_a_data_connection_both_drop(clock):
+    s = ChiefState(JobConfig(lease_seconds=3.0), clock)
+    a = s.join_worker(LAYOUT)
+    b = s.join_worker(LAYOUT)
+    epoch = s.epoch
+    s.watch_opened(a.member_id)
+    assert s.members.watching(a.member_id)
+    assert not s.watch_closed(a.member_id, answered=True)   # answered: nothing to see
+    assert not s.members.watching(a.member_id)
+    s.watch_opened(a.member_id)
+    assert not s.watch_closed(a.member_id, answered=False)  # one sighting: only the lease is cut
+    assert s.members.get(a.member_id).live and s.epoch == epoch
+    clock.advance(0.2)
+    assert s.connection_lost(a.member_id, "ps-0")          # the second, soon after: the process is gone
+    assert s.members.get(a.member_id).state is MemberState.EXPIRED and s.epoch == epoch + 1
+    # the other order works too
+    assert not s.connection_lost(b.member_id, "ps-1")
+    assert s.watch_closed(b.member_id, answered=False)
+    assert not s.members.alive(Role.WORKER)
+
+
+def test_connection_sightings_of_a_live_worker_do_not_end_it(clock):
+    s = ChiefState(JobConfig(lease_seconds=3.0), clock)
+    a = s.join_worker(LAYOUT)
+    assert not s.watch_closed(a.member_id, answered=False)
+    s.watch_opened(a.member_id)                            # it watched again: the break was a blip
+    assert not s.connection_lost(a.member_id, "ps-0")
+    s.heartbeat(a.member_id)                               # a heartbeat clears every sighting
+    assert not s.watch_closed(a.member_id, answered=False)
+    clock.advance(0.9)
+    s.heartbeat(a.member_id)
+    clock.advance(0.6)                                     # sightings more than a third of a lease apart
+    assert not s.connection_lost(a.member_id, "ps-0")
+    assert s.members.get(a.member_id).live
+    clock.advance(1.01)                                    # a sighting alone cuts the lease to a third
+    assert [m.member_id for m in s.tick()] == [a.member_id]
+    ps, _ = s.join_ps("h:1")
+    assert not s.connection_lost(ps.member_id, "worker-0")  # only workers are judged this way
+    assert not s.connection_lost("worker-77", "ps-0")       # unknown: nothing to end

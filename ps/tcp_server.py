@@ -1,0 +1,206 @@
+"""The ps end of the raw TCP data channel (:mod:`shoal.tcp_channel`): Push and Pull.
+
+One thread per connection (a worker holds one or a few per shard), each
+serving requests in order. The semantics are the gRPC data servicer's: the
+same :class:`~shoal.ps.servicer.PushAssembly`, the same shard calls, the same
+error codes. Only the bytes travel differently: a raw fp32 chunk is received
+straight into the gradient, and a pull sends the shard's cached snapshot
+straight from its buffer.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+from typing import Callable
+
+from google.protobuf.message import DecodeError
+
+from shoal import tcp_channel as tc
+from shoal.errors import InvalidArgument, ShoalError
+from shoal.proto import shoal_pb2 as pb
+from shoal.ps.servicer import DataServicer, PushAssembly
+from shoal.wire import decode_chunk
+
+log = logging.getLogger(__name__)
+
+
+class _Refused(Exception):
+    """A request is refused; ``fatal``: the connection cannot be trusted to carry another."""
+
+    def __init__(self, exc: Exception, fatal: bool = False):
+        super().__init__(str(exc))
+        self.exc, self.fatal = exc, fatal
+
+
+class DataChannelServer:
+    """Listens on ``host:port`` (0: any free port) and serves the data plane of ``servicer``.
+
+    ``on_lost(member_id)`` is called (from the connection's thread) when a peer
+    that named itself drops its connection: a worker process that died closes
+    every socket it had at once, and this is the ps's sight of that.
+    """
+
+    def __init__(self, servicer: DataServicer, host: str = "127.0.0.1", port: int = 0,
+                 on_lost: Callable[[str], None] | None = None):
+        self.servicer = servicer
+        self.on_lost = on_lost
+        self.ticket = secrets.token_bytes(tc.TICKET_BYTES)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(64)
+        self.port = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
+
+    def start(self) -> "DataChannelServer":
+        self._thread.start()
+        self.servicer.offer = pb.DataChannelOffer(port=self.port, ticket=self.ticket)
+        return self
+
+    def close(self) -> None:
+        """Stops accepting and cuts every connection (their callers see UNAVAILABLE and fail over)."""
+        self.servicer.offer = pb.DataChannelOffer()
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return
+            tc.tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), name="tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        member = ""
+        try:
+            kind, head, body_len = tc.recv_prefix(conn)
+            ticket, member = tc.parse_hello(head) if kind == tc.HELLO else (b"", "")
+            if kind != tc.HELLO or body_len or not secrets.compare_digest(ticket, self.ticket):
+                log.warning("data channel from %s: no valid ticket; closing", peer[0])
+                member = ""
+                return
+            tc.send(conn, tc.OK)
+            while True:
+                kind, head, body_len = tc.recv_prefix(conn)
+                if not self._request(conn, kind, head, body_len):
+                    return
+        except (ConnectionError, OSError) as exc:
+            if not self._closed:
+                log.debug("data channel from %s (%s) ended: %s", peer[0], member or "?", exc)
+                if member and self.on_lost is not None:
+                    self.on_lost(member)
+        except Exception:  # noqa: BLE001 - a bug: log it; the client sees the channel close and retries
+            log.exception("data channel from %s failed", peer[0])
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _request(self, conn: socket.socket, kind: int, head: bytes, body_len: int) -> bool:
+        """Serves one request; False: the connection must close."""
+        try:
+            if kind in (tc.PUSH, tc.PUSH_MORE):
+                reply = self._push(conn, kind, head, body_len)
+                tc.send(conn, tc.OK, reply.SerializeToString())
+            elif kind == tc.PULL:
+                if body_len:
+                    raise _Refused(InvalidArgument("a pull request has no body"), fatal=True)
+                self._pull(conn, head)
+            else:
+                raise _Refused(InvalidArgument(f"unknown data-channel request kind {kind}"), fatal=True)
+            return True
+        except _Refused as r:
+            self._refuse(conn, r.exc)
+            return not r.fatal
+
+    def _refuse(self, conn: socket.socket, exc: Exception) -> None:
+        if isinstance(exc, ShoalError):
+            code, text = exc.code, str(exc)
+        else:
+            log.error("data channel request failed", exc_info=exc)
+            code, text = tc.status_code(13), f"{type(exc).__name__} on the ps; see its log"
+        tc.send(conn, code.value[0], text.encode()[:tc.MAX_HEAD])
+
+    def _push(self, conn: socket.socket, kind: int, head: bytes, body_len: int) -> pb.PushReply:
+        """Receives a push (one PUSH, or PUSH_MORE ... PUSH). After a refused chunk the rest of the
+        push is still read, so the connection stays in step, and the refusal is the reply."""
+        push, nbytes, error = PushAssembly(self.servicer), 0, None
+        while True:
+            nbytes += tc.PREFIX.size + len(head) + body_len
+            if error is None:
+                error = self._chunk(conn, push, head, body_len)
+            else:
+                tc.discard(conn, body_len)
+            if kind == tc.PUSH:
+                break
+            kind, head, body_len = tc.recv_prefix(conn)
+            if kind not in (tc.PUSH, tc.PUSH_MORE):
+                raise _Refused(InvalidArgument(f"request kind {kind} inside a push"), fatal=True)
+        if error is not None:
+            raise _Refused(error)
+        try:
+            return push.finish(nbytes)
+        except Exception as exc:  # noqa: BLE001 - the shard's refusal is the reply
+            raise _Refused(exc) from None
+
+    def _chunk(self, conn: socket.socket, push: PushAssembly, head: bytes, body_len: int) -> ShoalError | None:
+        """Reads one chunk's body (exactly once, whatever happens) into the push; returns a refusal."""
+        try:
+            try:
+                h = pb.PushHeader.FromString(head)
+            except DecodeError as exc:
+                raise InvalidArgument(f"corrupt PushHeader: {exc}") from None
+            push.check(h)
+            raw = h.codec in ("", "none")
+            if raw and body_len != 4 * h.numel:
+                raise InvalidArgument(f"payload of {body_len} bytes does not hold {h.numel} fp32 values")
+        except ShoalError as exc:
+            tc.discard(conn, body_len)
+            return exc
+        if raw:
+            tc.recv_exactly(conn, push.raw_target(h))
+            return None
+        if body_len > 16 * h.numel + (1 << 20):     # no codec comes near this: a broken or hostile peer
+            raise _Refused(InvalidArgument(f"a {h.codec} chunk of {body_len} bytes for {h.numel} elements"),
+                           fatal=True)
+        payload = bytearray(body_len)
+        tc.recv_exactly(conn, memoryview(payload))
+        try:
+            push.place(h, decode_chunk(h.codec, memoryview(payload), h.numel), fresh=True)
+        except ShoalError as exc:
+            return exc
+        return None
+
+    def _pull(self, conn: socket.socket, request: bytes) -> None:
+        try:
+            req, shard = self.servicer.pull_ready(request)
+            codec = req.codec or "none"
+            version, raw = shard.snapshot(codec)
+        except Exception as exc:  # noqa: BLE001 - a refusal; the connection goes on
+            if isinstance(exc, DecodeError):
+                exc = InvalidArgument(f"corrupt PullRequest: {exc}")
+            raise _Refused(exc) from None
+        head = pb.PullHeader(shard=req.shard, version=version, offset=0, numel=shard.numel, codec=codec,
+                             shard_numel=shard.numel).SerializeToString()
+        self.servicer.host.count(outbound=tc.send(conn, tc.OK, head, raw))

@@ -1,0 +1,153 @@
+"""The worker end of the raw TCP data channel (:mod:`shoal.tcp_channel`).
+
+Holds a few connections to one ps (one per concurrent call; usually one),
+each opened with the ticket from the ps's gRPC ``OpenChannel`` offer. A
+connection that failed mid-call is closed, never reused: its stream position
+is unknown. Failures surface as :class:`~shoal.tcp_channel.ChannelError` with
+the code gRPC would have given (UNAVAILABLE for a lost peer, DEADLINE_EXCEEDED
+for a timeout, the ps's own code for a refusal).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Callable, TypeVar
+
+import grpc
+
+from shoal import tcp_channel as tc
+from shoal.proto import shoal_pb2 as pb
+
+T = TypeVar("T")
+
+
+def split_host(address: str) -> str:
+    """The host of ``host:port`` (``[v6]:port`` too)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+class TcpDataChannel:
+    """``member_id`` is presented with the ticket (a callable: it may change on a re-join)."""
+
+    def __init__(self, host: str, offer: pb.DataChannelOffer, member_id: Callable[[], str] = lambda: "",
+                 connect_timeout_s: float = 5.0):
+        self.host, self.port, self.ticket = host, offer.port, offer.ticket
+        self.member_id = member_id
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept for the next call."""
+        with self._lock:
+            return len(self._idle)
+
+    def connect(self) -> socket.socket:
+        """A new connection past the ticket check; OSError if the port cannot be reached."""
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+        try:
+            tc.tune(sock)
+            tc.send(sock, tc.HELLO, tc.hello(self.ticket, self.member_id()))
+            kind, _, _ = tc.recv_prefix(sock)
+            if kind != tc.OK:
+                raise ConnectionError(f"the ps at {self.host}:{self.port} refused the ticket")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for s in idle:
+            s.close()
+
+    def call(self, fn: Callable[[socket.socket], T], timeout_s: float) -> T:
+        """Runs ``fn`` on an idle connection (or a new one) with ``timeout_s`` per socket wait."""
+        with self._lock:
+            sock = self._idle.pop() if self._idle else None
+        try:
+            if sock is None:
+                sock = self.connect()
+            sock.settimeout(timeout_s)
+            out = fn(sock)
+        except ChannelRefusal as r:       # a whole reply was read: the connection is still good
+            self._release(sock)
+            raise r.error from None
+        except socket.timeout:
+            self._discard(sock)
+            raise tc.ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"no answer from {self.host}:{self.port} within {timeout_s:.0f}s") from None
+        except OSError as exc:            # ConnectionError included
+            self._discard(sock)
+            raise tc.ChannelError(grpc.StatusCode.UNAVAILABLE,
+                                  f"data channel to {self.host}:{self.port}: {exc}") from None
+        except BaseException:
+            self._discard(sock)
+            raise
+        self._release(sock)
+        return out
+
+    def release(self, sock: socket.socket) -> None:
+        """Puts a good connection back for the next call."""
+        self._release(sock)
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    @staticmethod
+    def _discard(sock: socket.socket | None) -> None:
+        if sock is not None:
+            sock.close()
+
+
+class ChannelRefusal(Exception):
+    """Raised inside a call when the ps answered with an error (the stream is intact)."""
+
+    def __init__(self, error: tc.ChannelError):
+        super().__init__(error.details())
+        self.error = error
+
+
+def read_reply(sock: socket.socket) -> tuple[bytes, int]:
+    """Reads a reply's head; a refusal becomes :class:`ChannelRefusal`. Returns (head, body_len)."""
+    kind, head, body_len = tc.recv_prefix(sock)
+    if kind != tc.OK:
+        tc.discard(sock, body_len)
+        raise ChannelRefusal(tc.ChannelError(tc.status_code(kind), head.decode(errors="replace")))
+    return head, body_len
+
+
+def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]]) -> tuple[pb.PushReply, int]:
+    """Sends one push as ``(PushHeader bytes, payload)`` chunks; returns the reply and the bytes sent."""
+    sent = 0
+    for i, (head, payload) in enumerate(frames):
+        sent += tc.send(sock, tc.PUSH if i == len(frames) - 1 else tc.PUSH_MORE, head, payload)
+    head, body_len = read_reply(sock)
+    if body_len:
+        raise ConnectionError(f"a push reply with a {body_len}-byte body: not a shoal peer")
+    return pb.PushReply.FromString(head), sent
+
+
+def pull(sock: socket.socket, request: bytes, numel: int, itemsize: int,
+         into: Callable[[int], memoryview]) -> tuple[pb.PullHeader, int, memoryview]:
+    """Asks for a shard's weights (``numel`` elements of ``itemsize`` bytes); ``into(nbytes)`` gives the
+    writable view the body is received into. Returns the header, the bytes received and that view."""
+    tc.send(sock, tc.PULL, request)
+    head, body_len = read_reply(sock)
+    h = pb.PullHeader.FromString(head)
+    if h.shard_numel != numel or h.offset != 0 or h.numel != numel or body_len != numel * itemsize:
+        tc.discard(sock, body_len)
+        raise ChannelRefusal(tc.ChannelError(grpc.StatusCode.INTERNAL,
+                                             f"pull of shard {h.shard} sent [{h.offset}, +{h.numel}) of "
+                                             f"{h.shard_numel} elements in {body_len} bytes; this client "
+                                             f"expects all {numel} as {h.codec or 'none'}"))
+    target = into(body_len)
+    tc.recv_exactly(sock, target)
+    return h, tc.PREFIX.size + len(head) + body_len, target
