@@ -6,7 +6,7 @@ against torch DistributedDataParallel over gloo with the same model and batch
 (2 processes), in the same run. Reports worker steps per second (mean over
 workers) and the ratio to DDP. One JSON object per case.
 
-    .venv/bin/python bench/mlp.py [--seconds 10] [--codecs none bf16 topk ...]
+    .venv/bin/python bench/mlp.py [--seconds 10] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
 """
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ def _loop(step, seconds: float, warmup: int = 3) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _shoal_worker(chief: str, codec: str, seconds: float, barrier, out: mp.Queue) -> None:
+def _shoal_worker(chief: str, codec: str, pull_codec: str, seconds: float, barrier, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     from shoal.worker import Trainer
 
     model = build()
-    trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec)
+    trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec, pull_codec=pull_codec)
     barrier.wait()
 
     def step(x, y):
@@ -54,7 +54,7 @@ def _shoal_worker(chief: str, codec: str, seconds: float, barrier, out: mp.Queue
 
     rate = _loop(step, seconds)
     c = trainer.counters
-    out.put((rate, c.bytes_pushed / max(1, c.steps)))
+    out.put((rate, c.bytes_pushed / max(1, c.steps), c.bytes_pulled / max(1, c.steps)))
     trainer.close()
 
 
@@ -91,26 +91,29 @@ def run_ddp(seconds: float) -> float:
     return sum(rates) / len(rates)
 
 
-def run_shoal(codec: str, seconds: float, replicas: int = 1) -> tuple[float, float]:
+def run_shoal(codec: str, pull_codec: str, seconds: float, replicas: int = 1) -> tuple[float, float, float]:
     from _servers import Servers
 
     ctx = mp.get_context("spawn")
     with Servers(2, mode="async", extra_chief=("--replicas", str(replicas))) as servers:
         out, barrier = ctx.Queue(), ctx.Barrier(2)
-        procs = [ctx.Process(target=_shoal_worker, args=(servers.chief, codec, seconds, barrier, out))
+        procs = [ctx.Process(target=_shoal_worker, args=(servers.chief, codec, pull_codec, seconds, barrier, out))
                  for _ in range(2)]
         for p in procs:
             p.start()
         results = [out.get(timeout=300) for _ in procs]
         for p in procs:
             p.join()
-    return sum(r for r, _ in results) / 2, sum(b for _, b in results) / 2
+    return tuple(sum(r[i] for r in results) / 2 for i in range(3))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--codecs", nargs="+", default=["none", "fp16", "bf16", "int8", "topk", "sign", "topk+lz4"])
+    p.add_argument("--codecs", nargs="+", default=["none", "fp16", "bf16", "int8", "topk", "sign", "topk+lz4"],
+                   help="gradient codecs; CODEC/PULL (e.g. bf16/bf16) also pulls the weights in PULL")
+    p.add_argument("--also", nargs="*", default=["bf16/bf16", "topk/bf16"],
+                   help="more CODEC/PULL cases after --codecs")
     p.add_argument("--replicated", nargs="*", default=["none"],
                    help="codecs to run once more with every shard replicated (--replicas 2)")
     args = p.parse_args()
@@ -118,12 +121,15 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ddp = run_ddp(args.seconds)
     print(json.dumps({"case": "ddp-gloo", "workers": 2, "steps_per_s": round(ddp, 2)}), flush=True)
-    cases = [(c, 1) for c in args.codecs] + [(c, 2) for c in args.replicated]
-    for codec, replicas in cases:
-        rate, pushed = run_shoal(codec, args.seconds, replicas)
-        name = f"shoal-async-{codec}" + ("-replicated" if replicas == 2 else "")
+    cases = [(c, 1) for c in args.codecs + args.also] + [(c, 2) for c in args.replicated]
+    for spec, replicas in cases:
+        codec, _, pull_codec = spec.partition("/")
+        rate, pushed, pulled = run_shoal(codec, pull_codec or "none", args.seconds, replicas)
+        name = f"shoal-async-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
+            ("-replicated" if replicas == 2 else "")
         print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, "steps_per_s": round(rate, 2),
-                          "push_bytes_per_step": int(pushed), "ratio_vs_ddp": round(rate / ddp, 2)}), flush=True)
+                          "push_bytes_per_step": int(pushed), "pull_bytes_per_step": int(pulled),
+                          "ratio_vs_ddp": round(rate / ddp, 2)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ class Codec(abc.ABC):
         payload = self.encode(x)
         return payload, self.decode(payload, x.numel()).to(x.device)
 
+    def encode_residual_(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """``(payload, x - decode(payload))``, the second in ``x``'s own storage (``x`` is consumed):
+        what error feedback keeps. Codecs that know their residual cheaper override it."""
+        payload, approx = self.encode_with_approx(x)
+        return payload, x.sub_(approx)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

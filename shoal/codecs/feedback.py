@@ -38,10 +38,10 @@ class ErrorFeedback:
             log.warning("error feedback for %r: gradient of %d elements after %d, dropping the residual",
                         key, grad.numel(), residual.numel())
             residual = None
-        corrected = grad if residual is None else grad + residual.to(grad.device)
-        payload, approx = self.codec.encode_with_approx(corrected)
-        # On failure above the old residual is kept; `corrected` is a new tensor unless it is `grad`.
-        self._residuals[key] = corrected - approx if residual is None else corrected.sub_(approx)
+        # A new tensor either way: the encoder turns it into the next residual in place, and on a
+        # failure the old residual is kept as it was.
+        corrected = grad.clone() if residual is None else grad + residual.to(grad.device)
+        payload, self._residuals[key] = self.codec.encode_residual_(corrected)
         return payload
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
