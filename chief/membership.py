@@ -17,7 +17,9 @@ so the chief sees its view watch break off unanswered and a parameter server
 sees its data channel close. Either alone may be a blip and only cuts the
 lease to a third (:meth:`Membership.watch_closed`, :meth:`Membership.connection_lost`);
 both within ``lease / 3`` of each other, with no heartbeat or new watch in
-between, end it now.
+between, end it now. A process that died between two view watches (the window
+is a few milliseconds) leaves no broken watch: a dropped data connection and
+no watch open for ``lease / 6`` ends it then (:meth:`Membership.expire`).
 """
 from __future__ import annotations
 
@@ -128,13 +130,28 @@ class Membership:
         return m
 
     def expire(self) -> list[Member]:
-        """Marks every member whose lease has passed as EXPIRED and returns them."""
+        """Marks every member whose lease has passed as EXPIRED and returns them; also a worker whose
+        data connection dropped and that has had no view watch open for ``lease / 6`` since (a live
+        worker has one open nearly all the time: it re-opens it as soon as one is answered)."""
         now = self._clock()
-        gone = [m for m in self._members.values() if m.live and m.lease_until < now]
-        for m in gone:
+        gone = []
+        for m in self._members.values():
+            if not m.live:
+                continue
+            if m.lease_until < now:
+                log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
+            elif self._lost_unwatched(m.member_id, now):
+                log.info("member %s expired (a parameter server saw its data connection drop and it has "
+                         "not watched the view since: the process is gone)", m.member_id)
+            else:
+                continue
             m.state = MemberState.EXPIRED
-            log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
+            gone.append(m)
         return gone
+
+    def _lost_unwatched(self, member_id: str, now: float) -> bool:
+        at = self._conn_lost.get(member_id)
+        return at is not None and not self.watching(member_id) and now - at >= self.lease_seconds / 6
 
     def cut_lease(self, member_id: str, left_s: float) -> bool:
         """Its connection broke: the lease ends in ``left_s`` unless a heartbeat renews it first."""

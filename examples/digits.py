@@ -12,20 +12,40 @@ import argparse
 import logging
 import os
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from shoal.worker import Trainer
 
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shoal"
+
 
 def load(seed: int):
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+    """The train/test split for ``seed``. Importing scikit-learn costs about a second of CPU, which a
+    worker joining a running job spends while the others train, so the split is kept in a cache file
+    after the first load and later workers read that instead."""
+    path = CACHE / f"digits-split-{seed}.npz"
+    try:
+        with np.load(path) as f:
+            xtr, xte, ytr, yte = (torch.from_numpy(f[k]) for k in ("xtr", "xte", "ytr", "yte"))
+    except (OSError, KeyError, ValueError):
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+        y = torch.tensor(digits.target, dtype=torch.long)
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+        try:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+            np.savez(tmp, xtr=xtr.numpy(), xte=xte.numpy(), ytr=ytr.numpy(), yte=yte.numpy())
+            tmp.replace(path)                     # atomic: workers starting together may race here
+        except OSError as exc:
+            logging.debug("cannot cache the digits split in %s: %s", CACHE, exc)
     return (xtr, ytr), (xte, yte)
 
 

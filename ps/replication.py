@@ -88,7 +88,8 @@ def replica_bytes(replica: dict) -> bytes:
     st: ShardState = replica["state"]
     obj = {"shard": st.shard, "start": st.start, "stop": st.stop, "values": st.values, "optimizer": st.optimizer,
            "hparams": dict(st.hparams), "opt_state": st.opt_state, "version": st.version, "extra": st.extra,
-           "keys": [[k, v] for k, v in replica["keys"]], "clocks": replica["clocks"]}
+           "keys": [[k, v] for k, v in replica["keys"]], "clocks": replica["clocks"],
+           "pushed": sorted(replica.get("pushed", ()))}
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -98,7 +99,7 @@ def replica_from_bytes(data: bytes | bytearray) -> dict:
     obj = torch.load(io.BytesIO(data), weights_only=True)
     state = ShardState(obj["shard"], obj["start"], obj["stop"], obj["values"], obj["optimizer"], obj["hparams"],
                        obj["opt_state"], obj["version"], obj["extra"])
-    return {"state": state, "keys": obj["keys"], "clocks": obj["clocks"]}
+    return {"state": state, "keys": obj["keys"], "clocks": obj["clocks"], "pushed": obj.get("pushed", [])}
 
 
 def install_frames(shard: int, primary_id: str, version: int, fingerprint: str, data: bytes,

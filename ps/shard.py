@@ -75,6 +75,11 @@ class Shard:
         self._round_keys: list[str] = []
         self._round_batches: dict[BatchKey, str] = {}
         self._clocks: dict[str, int] = {}            # ssp: updates applied per worker
+        # Workers a sync round waits for (when busy): those present before the first update, and
+        # those that have offered a gradient since. A worker that joins a running job is still loading
+        # data and taking its first (slow) step; the others train on meanwhile, and its first
+        # gradient (dropped as stale if the round closed without it) makes it part of the rounds.
+        self._pushed: set[str] = set()
         self.ledger = Ledger()
         self._live: frozenset[str] = frozenset()
         self._keys: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -109,6 +114,7 @@ class Shard:
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
         deadline = self._clock() + wait_s
         with self._cond:
+            self._pushed.add(worker)
             while True:
                 if self.fenced:
                     raise Unavailable(f"shard {self.shard_id} here is no longer the primary: {self.fenced}")
@@ -136,7 +142,7 @@ class Shard:
                 return PushResult(False, self.version, verdict.reason)
             if self._round_sum is None:
                 # A gradient applied alone (async, ssp) is only read by the optimizer: no copy.
-                alone = self.rule.round_complete({worker}, self._live)
+                alone = self.rule.round_complete({worker}, self._expected())
                 self._round_sum = grad if (owned or alone) else grad.to(torch.float32, copy=True)
             else:
                 self._round_sum.add_(grad)
@@ -153,14 +159,20 @@ class Shard:
         """Membership changed: the open round may now be complete, a waiting push may go."""
         with self._cond:
             self._live = frozenset(workers)
+            if self.version == 0:
+                self._pushed |= self._live
             floor = min((self._clocks[w] for w in self._live if w in self._clocks), default=0)
             for w in self._live:
                 self._clocks.setdefault(w, floor)   # a newcomer starts level with the slowest
             self._close_round_quietly()
             self._cond.notify_all()
 
+    def _expected(self) -> frozenset[str]:
+        """The workers an open round waits for (lock held): busy ones that have pushed here before."""
+        return self._live & self._pushed
+
     def _maybe_close_round(self) -> None:
-        if self.fenced or self._holding() or not self.rule.round_complete(self._round_workers, self._live):
+        if self.fenced or self._holding() or not self.rule.round_complete(self._round_workers, self._expected()):
             return
         n = len(self._round_workers)
         assert self._round_sum is not None
@@ -216,6 +228,7 @@ class Shard:
             if u.version != self.version + 1:
                 raise FailedPrecondition(f"shard {self.shard_id} replica is at version {self.version}, "
                                          f"cannot apply update to {u.version}: needs a fresh copy")
+            self._pushed.update(u.workers)      # a promoted backup waits for the same workers
             self._apply(u)
             return self.version
 
@@ -329,7 +342,8 @@ class Shard:
         """Everything a new backup needs to continue as this shard's copy (lock held by the caller or not)."""
         with self._cond:
             state = self.export_state()
-            return {"state": state, "keys": list(self._keys.items()), "clocks": dict(self._clocks)}
+            return {"state": state, "keys": list(self._keys.items()), "clocks": dict(self._clocks),
+                    "pushed": sorted(self._pushed)}
 
     @classmethod
     def from_replica(cls, replica: dict, rule: Rule, clock: Callable[[], float] = time.monotonic) -> "Shard":
@@ -337,6 +351,7 @@ class Shard:
         s = cls.from_state(state, rule, state.extra["fingerprint"], clock)
         s._keys = collections.OrderedDict((str(k), int(v)) for k, v in replica["keys"])
         s._clocks = {str(k): int(v) for k, v in replica["clocks"].items()}
+        s._pushed = {str(w) for w in replica.get("pushed", ())}
         return s
 
     def digest(self) -> tuple[int, str]:

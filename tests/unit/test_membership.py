@@ -226,3 +226,17 @@ def test_connection_sightings_of_a_live_worker_do_not_end_it(clock):
     ps, _ = s.join_ps("h:1")
     assert not s.connection_lost(ps.member_id, "worker-0")  # only workers are judged this way
     assert not s.connection_lost("worker-77", "ps-0")       # unknown: nothing to end
+
+
+def test_a_worker_that_died_between_two_view_watches_is_ended_after_a_sixth_of_its_lease(clock):
+    s = ChiefState(JobConfig(lease_seconds=3.0), clock)
+    a = s.join_worker(LAYOUT)
+    b = s.join_worker(LAYOUT)
+    s.watch_opened(b.member_id)                            # b is alive: it watches the view
+    assert not s.connection_lost(a.member_id, "ps-0")      # a has no watch open: dead, or about to re-open
+    assert not s.connection_lost(b.member_id, "ps-0")
+    clock.advance(0.4)
+    assert s.tick() == []
+    clock.advance(0.2)                                     # half a second (lease / 6) without a watch
+    assert [m.member_id for m in s.tick()] == [a.member_id]
+    assert s.members.get(b.member_id).live
