@@ -33,6 +33,7 @@ from shoal.worker.data import TaskFeed, batches_of, dataset_size
 
 from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
 from shoal.worker.push import GradientEncoder
+from shoal.worker.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Trainer:
         self.mode = view.job.mode
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
         self._bind_flat_buffers()
+        self.staging = Staging(self.flat_weights, self.flat_grads, self.plan.ranges)
         self._clients = {r.shard: self._client(r.shard, r.primary_address) for r in view.shards}
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
         self.versions = {k: 0 for k in self._clients}
@@ -134,6 +136,7 @@ class Trainer:
                                         self._launch_push) if overlap else None
         self._started = False
         self._initialise_or_pull()
+        self.staging.before_compute()
         self._started = True
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
@@ -220,6 +223,7 @@ class Trainer:
         in_round = self.mode == "sync" and all(r.accepted and not r.duplicate for r in replies.values())
         list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
                                                        resend=True), list(self._clients)))
+        self.staging.before_compute()
         replies = list(replies.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
@@ -248,12 +252,19 @@ class Trainer:
         batch = self._batch
         version = (versions or self._step_versions)[shard]
         samples = batch.stop - batch.start if batch is not None else 0
-        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch)
+        ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
+        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
-              batch: "BatchContext | None") -> pb.PushReply:
+              batch: "BatchContext | None", ready=None) -> pb.PushReply:
         a, b = self.plan.ranges[shard]
-        chunks = self.encoder.encode(shard, self.flat_grads[a:b], self._clients[shard].chunk_bytes)
+        if self.encoder.tag == "none":
+            grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory
+        else:
+            grad = self.flat_grads[a:b]                       # compressed where it lives (GPU or CPU)
+            if ready is not None:
+                torch.cuda.current_stream(grad.device).wait_event(ready)
+        chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
         sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples,
                          batch.header_fields() if batch is not None else {})
         self._sent[shard] = sent
@@ -355,9 +366,7 @@ class Trainer:
     def _pull_shard(self, shard: int, min_version: int = 0, resend: bool = False) -> None:
         """Pulls shard's weights at ``min_version`` or later. ``resend``: after a failover, push this
         step's gradient again first (the new primary may not have it; if it has, the key says so)."""
-        a, b = self.plan.ranges[shard]
-        target = self.flat_weights[a:b]
-        buf = target if target.device.type == "cpu" else torch.empty(b - a, dtype=torch.float32)
+        buf = self.staging.weights_target(shard)
         while True:
             client = self._clients[shard]
             try:
@@ -378,14 +387,14 @@ class Trainer:
                     reply = self._send(shard, sent)
                     if not reply.accepted and not reply.duplicate:   # the new primary closed that round
                         min_version = min(min_version, reply.version)
-        if buf is not target:
-            target.copy_(buf, non_blocking=True)
+        self.staging.land(shard)
         self.versions[shard] = version
         self._count(pulled=got)
 
     def pull(self) -> None:
         """Refreshes the local weights from every shard (e.g. before evaluating)."""
         list(self._pool.map(self._pull_shard, self._clients))
+        self.staging.before_compute()
 
     # ------------------------------------------------------------ data
 
