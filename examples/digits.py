@@ -65,7 +65,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     p.add_argument("--lr", type=float, default=0.003)
+    p.add_argument("--momentum", type=float, default=0.0, help="sgd only")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=1, help="hidden layers")
@@ -89,7 +91,8 @@ def main() -> None:
     model = build_model(args.hidden, args.depth)
     if step_log:
         step_log.write(f"# trainer {time.time():.6f}\n")   # when this worker starts joining
-    trainer = Trainer(model, optimizer="adam", lr=args.lr, compression=args.compression)
+    hparams = {"momentum": args.momentum} if args.optimizer == "sgd" else {}
+    trainer = Trainer(model, optimizer=args.optimizer, lr=args.lr, compression=args.compression, **hparams)
     for step, (xb, yb) in enumerate(trainer.batches((xtr, ytr), batch_size=args.batch_size,
                                                      epochs=args.epochs, seed=args.seed)):
         trainer.zero_grad()
