@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import grpc
 import torch
 
-from shoal import frames
+from shoal import frames, tcp_client
 from shoal.errors import Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.checkpoint_store import ShardState
@@ -79,8 +79,21 @@ def update_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.ReplicateHeader,
         covered += head.numel
     if first is None or covered != first.shard_numel:
         raise ValueError(f"replicated update covers {covered} of {first.shard_numel if first else '?'} elements")
-    batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in first.batches)
-    return first, Update(first.version, grad, tuple(first.keys), batches, tuple(first.workers))
+    return first, update_from_header(first, grad)
+
+
+def update_header(shard: int, primary_id: str, u: Update) -> pb.ReplicateHeader:
+    """The header of an update sent whole (one message: the TCP data channel)."""
+    numel = u.grad.numel()
+    head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=0, numel=numel,
+                              shard_numel=numel, keys=u.keys, workers=u.workers)
+    head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
+    return head
+
+
+def update_from_header(head: pb.ReplicateHeader, grad: torch.Tensor) -> Update:
+    batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in head.batches)
+    return Update(head.version, grad, tuple(head.keys), batches, tuple(head.workers))
 
 
 def replica_bytes(replica: dict) -> bytes:
@@ -142,6 +155,8 @@ class Replicator:
         self._target: tuple[str, str] | None = None       # (member id, address) of the backup
         self._channel: grpc.Channel | None = None
         self._stubs: DataStubs | None = None
+        self._tcp: tcp_client.TcpDataChannel | None = None   # the backup's TCP data channel, if it has one
+        self._negotiated = False
         self._state = "none"                             # none | installing | in_sync
         self._pending: list[Update] = []
         self._generation = 0
@@ -155,14 +170,19 @@ class Replicator:
     def backup(self) -> str:
         return self._target[0] if self._target else ""
 
+    @property
+    def transport(self) -> str:
+        """What carries the updates to the backup: ``tcp``, ``grpc``, or ``""`` (not asked yet, or none)."""
+        with self._lock:
+            return ("tcp" if self._tcp is not None else "grpc") if self._negotiated else ""
+
     def set_target(self, member_id: str, address: str) -> None:
         """The view names this shard's backup (empty: none). A new one gets a full copy first."""
         target = (member_id, address) if member_id else None
         with self._lock:
             if target == self._target:
                 return
-            if self._channel is not None:
-                self._channel.close()
+            self._close_channels()
             self._target, self._generation, self._pending = target, self._generation + 1, []
             self._channel = open_channel(address) if target else None
             self._stubs = DataStubs(self._channel) if self._channel is not None else None
@@ -178,10 +198,17 @@ class Replicator:
         self._stop.set()
         with self._lock:
             self._generation += 1
-            if self._channel is not None:
-                self._channel.close()
+            self._close_channels()
             self._channel = self._stubs = None
             self._target, self._state = None, "none"
+
+    def _close_channels(self) -> None:
+        """Closes the backup's channels (lock held); calls still on them fail and retry on the new ones."""
+        if self._channel is not None:
+            self._channel.close()
+        if self._tcp is not None:
+            self._tcp.close()
+        self._tcp, self._negotiated = None, False
 
     # ------------------------------------------------------------ forwarding (shard lock held)
 
@@ -219,12 +246,33 @@ class Replicator:
                 raise Unavailable(f"shard {self.shard_id}: replicator closed")
 
     def _send(self, stubs: DataStubs, u: Update) -> int:
+        tcp = self._data_channel(stubs)
+        if tcp is not None:
+            head = update_header(self.shard_id, self._member_id(), u).SerializeToString()
+            grad = frames.tensor_bytes(u.grad)
+            return tcp.call(lambda sock: tcp_client.replicate(sock, head, grad), self._timeout_s).version
         fr = update_frames(self.shard_id, self._member_id(), u, self._chunk_bytes)
         if len(fr) == 1:
             reply = stubs.replicate_one(fr[0], timeout=self._timeout_s)
         else:
             reply = stubs.replicate(iter(fr), timeout=self._timeout_s)
         return pb.ReplicateReply.FromString(reply).version
+
+    def _data_channel(self, stubs: DataStubs) -> "tcp_client.TcpDataChannel | None":
+        """The backup's TCP data channel, asked for once per backup (None: gRPC carries the updates)."""
+        with self._lock:
+            if self._negotiated or stubs is not self._stubs:
+                return self._tcp
+            target = self._target
+        tcp = tcp_client.negotiate(stubs, target[1], self._member_id, f"shard {self.shard_id} backup") \
+            if target is not None else None
+        with self._lock:
+            if stubs is not self._stubs:            # the view moved on meanwhile: not ours to keep
+                if tcp is not None:
+                    tcp.close()
+                return None
+            self._tcp, self._negotiated = tcp, True
+            return tcp
 
     def _restart_install(self, gen: int) -> None:
         with self._lock:

@@ -1,11 +1,12 @@
-"""The ps end of the raw TCP data channel (:mod:`shoal.tcp_channel`): Push and Pull.
+"""The ps end of the raw TCP data channel (:mod:`shoal.tcp_channel`): Push, Pull and Replicate.
 
-One thread per connection (a worker holds one or a few per shard), each
-serving requests in order. The semantics are the gRPC data servicer's: the
-same :class:`~shoal.ps.servicer.PushAssembly`, the same shard calls, the same
-error codes. Only the bytes travel differently: a raw fp32 chunk is received
-straight into the gradient, and a pull sends the shard's cached snapshot
-straight from its buffer.
+One thread per connection (a worker holds one or a few per shard, a primary
+one per shard it forwards to this backup), each serving requests in order.
+The semantics are the gRPC data servicer's: the same
+:class:`~shoal.ps.servicer.PushAssembly`, the same shard and host calls, the
+same error codes. Only the bytes travel differently: a raw fp32 chunk or a
+replicated gradient is received straight into the tensor that keeps it, and a
+pull sends the shard's cached snapshot straight from its buffer.
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import socket
 import threading
 from typing import Callable
 
+import torch
 from google.protobuf.message import DecodeError
 
+from shoal import frames
 from shoal import tcp_channel as tc
 from shoal.errors import InvalidArgument, ShoalError
 from shoal.proto import shoal_pb2 as pb
+from shoal.ps.replication import update_from_header
 from shoal.ps.servicer import DataServicer, PushAssembly
 from shoal.wire import decode_chunk
 
@@ -127,6 +131,9 @@ class DataChannelServer:
                 if body_len:
                     raise _Refused(InvalidArgument("a pull request has no body"), fatal=True)
                 self._pull(conn, head)
+            elif kind == tc.REPLICATE:
+                reply = self._replicate(conn, head, body_len)
+                tc.send(conn, tc.OK, reply.SerializeToString())
             else:
                 raise _Refused(InvalidArgument(f"unknown data-channel request kind {kind}"), fatal=True)
             return True
@@ -191,6 +198,25 @@ class DataChannelServer:
         except ShoalError as exc:
             return exc
         return None
+
+    def _replicate(self, conn: socket.socket, head: bytes, body_len: int) -> pb.ReplicateReply:
+        """A primary's update, sent whole: received into the gradient the backup's step uses."""
+        try:
+            h = pb.ReplicateHeader.FromString(head)
+        except DecodeError as exc:
+            tc.discard(conn, body_len)
+            raise _Refused(InvalidArgument(f"corrupt ReplicateHeader: {exc}")) from None
+        if h.offset != 0 or h.numel != h.shard_numel or h.numel < 0 or body_len != 4 * h.numel:
+            tc.discard(conn, body_len)
+            raise _Refused(InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}) "
+                                           f"of {h.shard_numel} elements: it must be the whole fp32 gradient"))
+        grad = torch.empty(h.numel, dtype=torch.float32)
+        tc.recv_exactly(conn, frames.tensor_bytes(grad))
+        self.servicer.host.count(inbound=tc.PREFIX.size + len(head) + body_len)
+        try:
+            return pb.ReplicateReply(version=self.servicer.host.replicate(h, update_from_header(h, grad)))
+        except Exception as exc:  # noqa: BLE001 - the host's refusal (fenced, needs a copy) is the reply
+            raise _Refused(exc) from None
 
     def _pull(self, conn: socket.socket, request: bytes) -> None:
         try:

@@ -14,7 +14,8 @@ copy on either side.
 
 Every message in either direction is ``[prefix][head][body]``, the prefix being
 ``kind: u8, 3 pad bytes, head_len: u32, body_len: u64`` (little-endian). A
-request's head is a protobuf (``PushHeader``, ``PullRequest``) or the ticket;
+request's head is a protobuf (``PushHeader``, ``PullRequest``, and from a
+primary to its backup ``ReplicateHeader``) or the ticket;
 a reply's kind is 0 for OK or a gRPC status code, and a failed reply's head is
 the error text. Errors reach the caller as :class:`ChannelError`, a
 ``grpc.RpcError`` with ``code()`` and ``details()``, so the worker's failover
@@ -28,7 +29,7 @@ import struct
 import grpc
 
 PREFIX = struct.Struct("<BxxxIQ")
-HELLO, PUSH_MORE, PUSH, PULL = 1, 2, 3, 4
+HELLO, PUSH_MORE, PUSH, PULL, REPLICATE = 1, 2, 3, 4, 5
 OK = 0
 TICKET_BYTES = 16
 MAX_HEAD = 1 << 20                  # a protobuf header or an error text; larger is a broken peer

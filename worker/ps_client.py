@@ -1,7 +1,7 @@
 """Client of one parameter shard's data plane: Init, Push, Pull.
 
 Push and Pull take the ps's raw TCP data channel when it offers one
-(:mod:`shoal.worker.tcp_client`), else gRPC with raw frames; Init always goes
+(:mod:`shoal.tcp_client`), else gRPC with raw frames; Init always goes
 over gRPC (once per job). Both transports fail with ``grpc.RpcError`` codes,
 so callers handle them alike.
 """
@@ -20,8 +20,8 @@ from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.rpc import open_channel
 from shoal.wire import PULL_ITEMSIZE, DataStubs, decode_weights
-from shoal.worker import tcp_client
-from shoal.worker.tcp_client import TcpDataChannel, split_host
+from shoal import tcp_client
+from shoal.tcp_client import TcpDataChannel, negotiate
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +83,9 @@ class ShardClient:
         if self._negotiated:
             return self._tcp
         with self._lock:
-            if self._negotiated:
-                return self._tcp
-            try:
-                offer = pb.DataChannelOffer.FromString(self._stubs.open_channel(b"", timeout=10))
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                offer = pb.DataChannelOffer()           # an older ps: gRPC only
-            if offer.port:
-                tcp = TcpDataChannel(split_host(self.address), offer, self.member_id)
-                try:
-                    tcp.release(tcp.connect())
-                    self._tcp = tcp
-                except OSError as exc:
-                    log.warning("shard %d: cannot reach the TCP data channel at %s:%d (%s); using gRPC, "
-                                "which is slower", self.shard, tcp.host, tcp.port, exc)
-            self._negotiated = True
+            if not self._negotiated:
+                self._tcp = negotiate(self._stubs, self.address, self.member_id, f"shard {self.shard}")
+                self._negotiated = True
             return self._tcp
 
     def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60) -> pb.InitReply:

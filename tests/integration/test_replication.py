@@ -54,6 +54,8 @@ def test_backups_are_byte_identical_to_their_primaries(cluster_factory, mode):
             assert got[k]["primary"] == got[k]["backup"], f"shard {k} copies differ"
             assert got[k]["primary"][0] > 10
         assert_exactly_once(c, 512, 16, 3)          # every copy's ledger, backups included
+        assert {ps.host.replicators[k].transport for ps in c.servers for k in ps.host.replicators
+                if ps.host.roles.get(k) == "primary"} == {"tcp"}   # updates went over the data channel
     finally:
         for t in trainers:
             t.close()

@@ -146,3 +146,18 @@ def test_pushes_from_many_threads_each_get_their_own_connection(ps):
         t.join(30)
     assert not errors and host.get(0).version == 20
     assert 1 <= c.tcp.idle_connections <= 4
+
+
+def test_a_replicated_update_that_is_not_the_whole_gradient_is_refused(ps):
+    host, channel, c, _ = ps
+    s = raw_connection(channel)
+    tc.send(s, tc.HELLO, tc.hello(channel.ticket, "ps-1"))
+    assert tc.recv_prefix(s)[0] == tc.OK
+    head = pb.ReplicateHeader(shard=0, version=1, primary_id="ps-1", offset=0, numel=N, shard_numel=N)
+    tc.send(s, tc.REPLICATE, head.SerializeToString(), bytes(4 * N - 4))   # one element short
+    kind, text, _ = tc.recv_prefix(s)
+    assert tc.status_code(kind) == grpc.StatusCode.INVALID_ARGUMENT and b"whole fp32 gradient" in text
+    tc.send(s, tc.REPLICATE, head.SerializeToString(), bytes(4 * N))       # in step: the next is read
+    kind, text, _ = tc.recv_prefix(s)
+    assert tc.status_code(kind) == grpc.StatusCode.FAILED_PRECONDITION     # this ps is shard 0's primary
+    assert host.get(0).version == 0

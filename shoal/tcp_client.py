@@ -1,4 +1,5 @@
-"""The worker end of the raw TCP data channel (:mod:`shoal.tcp_channel`).
+"""The calling end of the raw TCP data channel (:mod:`shoal.tcp_channel`): a worker's pushes and
+pulls, and a primary's updates to its backup.
 
 Holds a few connections to one ps (one per concurrent call; usually one),
 each opened with the ticket from the ps's gRPC ``OpenChannel`` offer. A
@@ -9,6 +10,7 @@ for a timeout, the ps's own code for a refusal).
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import Callable, TypeVar
@@ -18,6 +20,7 @@ import grpc
 from shoal import tcp_channel as tc
 from shoal.proto import shoal_pb2 as pb
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -67,6 +70,8 @@ class TcpDataChannel:
     def call(self, fn: Callable[[socket.socket], T], timeout_s: float) -> T:
         """Runs ``fn`` on an idle connection (or a new one) with ``timeout_s`` per socket wait."""
         with self._lock:
+            if self._closed:
+                raise tc.ChannelError(grpc.StatusCode.CANCELLED, f"data channel to {self.host}:{self.port} closed")
             sock = self._idle.pop() if self._idle else None
         try:
             if sock is None:
@@ -122,6 +127,37 @@ def read_reply(sock: socket.socket) -> tuple[bytes, int]:
         tc.discard(sock, body_len)
         raise ChannelRefusal(tc.ChannelError(tc.status_code(kind), head.decode(errors="replace")))
     return head, body_len
+
+
+def negotiate(stubs, address: str, member_id: Callable[[], str], what: str) -> TcpDataChannel | None:
+    """Asks the ps at ``address`` (its data ``stubs``, :class:`shoal.wire.DataStubs`) for its TCP channel
+    and opens a first connection. None if it offers none (or is too old to know the call) or the
+    channel cannot be reached: gRPC carries the data then. A ps that does not answer raises."""
+    try:
+        offer = pb.DataChannelOffer.FromString(stubs.open_channel(b"", timeout=10))
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        return None
+    if not offer.port:
+        return None
+    tcp = TcpDataChannel(split_host(address), offer, member_id)
+    try:
+        tcp.release(tcp.connect())
+    except OSError as exc:
+        log.warning("%s: cannot reach the TCP data channel at %s:%d (%s); using gRPC, which is slower",
+                    what, tcp.host, tcp.port, exc)
+        return None
+    return tcp
+
+
+def replicate(sock: socket.socket, head: bytes, grad: memoryview) -> pb.ReplicateReply:
+    """Sends one update (its ReplicateHeader and the whole averaged gradient) to a backup."""
+    tc.send(sock, tc.REPLICATE, head, grad)
+    reply, body_len = read_reply(sock)
+    if body_len:
+        raise ConnectionError(f"a replicate reply with a {body_len}-byte body: not a shoal peer")
+    return pb.ReplicateReply.FromString(reply)
 
 
 def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]]) -> tuple[pb.PushReply, int]:
