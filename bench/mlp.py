@@ -4,7 +4,9 @@
 keeps no second copy; ``--replicated`` codecs run once more with replicas), one case per compressor,
 against torch DistributedDataParallel over gloo with the same model and batch
 (2 processes), in the same run. Reports worker steps per second (mean over
-workers) and the ratio to DDP. One JSON object per case.
+workers), the ratio to DDP, and the cores each process used (its CPU seconds
+over the middle half of the timed window): on a small host the CPU, not the
+bytes, is what bounds a case. One JSON object per case.
 
     .venv/bin/python bench/mlp.py [--seconds 10] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
 """
@@ -91,20 +93,36 @@ def run_ddp(seconds: float) -> float:
     return sum(rates) / len(rates)
 
 
-def run_shoal(codec: str, pull_codec: str, seconds: float, replicas: int = 1) -> tuple[float, float, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_shoal(codec: str, pull_codec: str, seconds: float, replicas: int = 1) -> tuple[tuple, dict]:
+    """(steps/s, push bytes/step, pull bytes/step) averaged over the workers, and the cores each
+    process used in the middle of the timed window."""
     from _servers import Servers
 
     ctx = mp.get_context("spawn")
     with Servers(2, mode="async", extra_chief=("--replicas", str(replicas))) as servers:
-        out, barrier = ctx.Queue(), ctx.Barrier(2)
+        out, barrier = ctx.Queue(), ctx.Barrier(3)
         procs = [ctx.Process(target=_shoal_worker, args=(servers.chief, codec, pull_codec, seconds, barrier, out))
                  for _ in range(2)]
         for p in procs:
             p.start()
+        barrier.wait()
+        pids = {"chief": servers.procs[0].pid, "ps0": servers.procs[1].pid, "ps1": servers.procs[2].pid,
+                "worker0": procs[0].pid, "worker1": procs[1].pid}
+        time.sleep(seconds * 0.25)            # past the warm-up steps
+        before, t0 = {k: cpu_seconds(p) for k, p in pids.items()}, time.monotonic()
+        time.sleep(seconds * 0.5)
+        cores = {k: round((cpu_seconds(p) - before[k]) / (time.monotonic() - t0), 2) for k, p in pids.items()}
         results = [out.get(timeout=300) for _ in procs]
         for p in procs:
             p.join()
-    return tuple(sum(r[i] for r in results) / 2 for i in range(3))
+    return tuple(sum(r[i] for r in results) / 2 for i in range(3)), cores
 
 
 def main() -> None:
@@ -124,12 +142,12 @@ def main() -> None:
     cases = [(c, 1) for c in args.codecs + args.also] + [(c, 2) for c in args.replicated]
     for spec, replicas in cases:
         codec, _, pull_codec = spec.partition("/")
-        rate, pushed, pulled = run_shoal(codec, pull_codec or "none", args.seconds, replicas)
+        (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, replicas)
         name = f"shoal-async-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
             ("-replicated" if replicas == 2 else "")
         print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, "steps_per_s": round(rate, 2),
                           "push_bytes_per_step": int(pushed), "pull_bytes_per_step": int(pulled),
-                          "ratio_vs_ddp": round(rate / ddp, 2)}), flush=True)
+                          "ratio_vs_ddp": round(rate / ddp, 2), "cores_used": cores}), flush=True)
 
 
 if __name__ == "__main__":
