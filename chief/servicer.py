@@ -199,8 +199,10 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         dropped = tuple((b.epoch, b.start, b.stop) for b in request.dropped)
         with self._locked():
             before, configured = self.state.epoch, self.state.tasks.spec is not None
+            known = frozenset(request.held_task_ids) | frozenset(request.done_task_ids) \
+                if request.reports_held else None
             tasks, finished = self.state.take_tasks(request.member_id, spec, request.max_tasks,
-                                                    tuple(request.done_task_ids), dropped)
+                                                    tuple(request.done_task_ids), dropped, known)
             if (tasks or request.done_task_ids or dropped or self.state.epoch != before
                     or configured != (self.state.tasks.spec is not None)):
                 self._save(f"tasks {request.member_id}: got {[t.task_id for t in tasks]}, "

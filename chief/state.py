@@ -208,9 +208,12 @@ class ChiefState:
     # ------------------------------------------------------------ data tasks
 
     def take_tasks(self, member_id: str, spec: DatasetSpec | None, max_tasks: int,
-                   done: tuple[int, ...] = (), dropped: tuple[tuple[int, int, int], ...] = ()
-                   ) -> tuple[list[Task], bool]:
-        """Records finished tasks and dropped batches ``(epoch, start, stop)``, hands out new tasks."""
+                   done: tuple[int, ...] = (), dropped: tuple[tuple[int, int, int], ...] = (),
+                   known: frozenset[int] | None = None) -> tuple[list[Task], bool]:
+        """Records finished tasks and dropped batches ``(epoch, start, stop)``, hands out new tasks.
+
+        ``known``: the tasks the worker knows it holds. Any other task it holds here was in a reply
+        it never got, and is handed out again first (same attempt, so pushes already made count)."""
         m = self.members.get(member_id)
         if not m.live:
             raise NotFound(f"member {member_id} is {m.state.value}; join again")
@@ -225,7 +228,11 @@ class ChiefState:
             self.tasks.complete(member_id, tid)
         if self.tasks.completed_epochs != completed_before:
             self._changed(f"epoch {self.tasks.completed_epochs - 1} complete")
-        got = self.tasks.take(member_id, max_tasks) if max_tasks > 0 else []
+        lost = [t for t in self.tasks.held_by(member_id) if t.task_id not in known][:max_tasks] \
+            if known is not None and max_tasks > 0 else []
+        if lost:
+            log.info("handing %s again the task(s) %s it never received", member_id, [t.task_id for t in lost])
+        got = lost + (self.tasks.take(member_id, max_tasks - len(lost)) if max_tasks > len(lost) else [])
         if max_tasks > 0 and self.members.set_busy(member_id, bool(got) or bool(self.tasks.held_by(member_id))):
             self._changed(f"worker {member_id} is {m.state.value}")
         return got, self.tasks.finished

@@ -235,18 +235,22 @@ class BatchRange(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("member_id", "dataset", "max_tasks", "done_task_ids", "dropped")
+    __slots__ = ("member_id", "dataset", "max_tasks", "done_task_ids", "dropped", "held_task_ids", "reports_held")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
     DONE_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    HELD_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_HELD_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     dataset: DatasetSpec
     max_tasks: int
     done_task_ids: _containers.RepeatedScalarFieldContainer[int]
     dropped: _containers.RepeatedCompositeFieldContainer[BatchRange]
-    def __init__(self, member_id: _Optional[str] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., max_tasks: _Optional[int] = ..., done_task_ids: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[_Union[BatchRange, _Mapping]]] = ...) -> None: ...
+    held_task_ids: _containers.RepeatedScalarFieldContainer[int]
+    reports_held: bool
+    def __init__(self, member_id: _Optional[str] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., max_tasks: _Optional[int] = ..., done_task_ids: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[_Union[BatchRange, _Mapping]]] = ..., held_task_ids: _Optional[_Iterable[int]] = ..., reports_held: _Optional[bool] = ...) -> None: ...
 
 class TaskReply(_message.Message):
     __slots__ = ("tasks", "finished", "epoch")

@@ -154,7 +154,7 @@ class ChiefClient:
                 self._set_view(view)
                 backoff = 0.1
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE and exc.code() != grpc.StatusCode.CANCELLED:
+                if exc.code() not in RETRYABLE:
                     log.warning("view watch: %s", exc.code().name)
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)

@@ -37,8 +37,11 @@ SERVER_OPTIONS = MESSAGE_OPTIONS + [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+# CANCELLED: a server that stops (a chief restarting from its journal) cancels the calls it is serving.
+# Every call retried with these is safe to repeat: Join and ReportMetrics are idempotent, and GetTasks
+# hands again any task whose reply was lost (worker/data.py).
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 
 
 def create_server(address: str, max_workers: int = 64) -> tuple[grpc.Server, int, health.HealthServicer]:

@@ -39,6 +39,7 @@ class TaskFeed:
         self._done: list[int] = []
         self._dropped: list[pb.BatchRange] = []
         self._unacked: dict[tuple[int, int], int] = {}
+        self._held: set[int] = set()             # handed to this worker, done not yet acknowledged
         self._done_lock = threading.Lock()
         self._space = threading.Semaphore(self._prefetch)
         self._stop = threading.Event()
@@ -49,10 +50,13 @@ class TaskFeed:
         with self._done_lock:
             done, self._done = self._done, []
             dropped, self._dropped = self._dropped, []
+            held = sorted(self._held)
         req = pb.TaskRequest(member_id=self._member_id(), dataset=self._spec, max_tasks=max_tasks,
-                             done_task_ids=done, dropped=dropped)
+                             done_task_ids=done, dropped=dropped, held_task_ids=held, reports_held=True)
         try:
             try:
+                # A retried request is safe even if the lost one was served: the chief hands again any
+                # task it counts as this worker's that the request does not list as held.
                 reply = with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND or self._rejoin is None:
@@ -64,6 +68,8 @@ class TaskFeed:
             with self._done_lock:
                 for b in dropped:
                     self._unacked.pop((b.epoch, b.start), None)
+                self._held.difference_update(done)
+                self._held.update(t.task_id for t in reply.tasks)
             return reply
         except grpc.RpcError:
             with self._done_lock:

@@ -69,20 +69,30 @@ def test_two_workers_train_and_agree(cluster_factory, mode, extra):
         t.close()
 
 
-def test_sync_round_stops_waiting_for_a_dead_worker(cluster_factory):
-    c = cluster_factory(1, mode="sync", lease_seconds=0.6)
+def two_in_a_round(cluster_factory, lease_seconds):
+    """A one-shard sync job with two workers that both hold tasks, so both are in every round."""
+    c = cluster_factory(1, mode="sync", lease_seconds=lease_seconds)
     x, y = data(64)
     a, b = mlp(0), mlp(0)
     ta = Trainer(a, chief=c.chief_address, lr=0.1)
     tb = Trainer(b, chief=c.chief_address, lr=0.1)
-    feed_a = iter(ta.batches((x, y), batch_size=8, epochs=5))
-    feed_b = iter(tb.batches((x, y), batch_size=8, epochs=5))
-    next(feed_a), next(feed_b)                       # both hold tasks: both are in the round
+    feeds = iter(ta.batches((x, y), batch_size=8, epochs=5)), iter(tb.batches((x, y), batch_size=8, epochs=5))
+    for feed in feeds:
+        next(feed)
     wait_until(lambda: c.servers[0].host.live_workers == {ta.member_id, tb.member_id}, what="both live")
+    return c, x, a, ta, tb
+
+
+def step_alone(model, trainer, x):
+    trainer.zero_grad()
+    model(x[:8]).sum().backward()
+    trainer.step()
+
+
+def test_sync_round_stops_waiting_for_a_dead_worker(cluster_factory):
+    c, x, a, ta, tb = two_in_a_round(cluster_factory, lease_seconds=0.6)
     tb.chief._stop.set()                             # b stops heartbeating (a crash, as seen by the chief)
-    ta.zero_grad()
-    a(x[:8]).sum().backward()
-    ta.step()                                        # blocks until b's lease expires, then the round closes
+    step_alone(a, ta, x)                             # blocks until b's lease expires, then the round closes
     assert c.servers[0].host.get(0).version == 1
     assert tb.member_id not in c.servers[0].host.live_workers
     ta.close()
@@ -91,24 +101,14 @@ def test_sync_round_stops_waiting_for_a_dead_worker(cluster_factory):
 def test_sync_round_goes_on_at_once_when_a_worker_process_dies(cluster_factory):
     """A dead process drops its view watch and its data connections together: the chief ends it then,
     long before its lease (6 s) or the third of a lease a broken watch alone leaves it (2 s)."""
-    c = cluster_factory(1, mode="sync", lease_seconds=6.0)
-    x, y = data(64)
-    a, b = mlp(0), mlp(0)
-    ta = Trainer(a, chief=c.chief_address, lr=0.1)
-    tb = Trainer(b, chief=c.chief_address, lr=0.1)
-    feed_a = iter(ta.batches((x, y), batch_size=8, epochs=5))
-    feed_b = iter(tb.batches((x, y), batch_size=8, epochs=5))
-    next(feed_a), next(feed_b)
-    wait_until(lambda: c.servers[0].host.live_workers == {ta.member_id, tb.member_id}, what="both live")
+    c, x, a, ta, tb = two_in_a_round(cluster_factory, lease_seconds=6.0)
     assert all(client.uses_tcp for client in tb._clients.values())
     wait_until(lambda: c.chief.state.members.watching(tb.member_id), what="b to watch the view")
     t0 = time.monotonic()
     tb.chief.close()                                 # as a SIGKILL would: the watch and heartbeats stop...
     for client in tb._clients.values():
         client.close()                               # ...and the data connections close, with no Leave
-    ta.zero_grad()
-    a(x[:8]).sum().backward()
-    ta.step()                                        # the round closes once b is gone
+    step_alone(a, ta, x)                             # the round closes once b is gone
     assert time.monotonic() - t0 < 1.5
     assert not c.chief.state.members.get(tb.member_id).live
     assert c.servers[0].host.get(0).version == 1

@@ -123,6 +123,22 @@ def test_workers_are_idle_until_they_hold_tasks(clock):
     assert tasks2 == [] and finished and w.state is MemberState.IDLE
 
 
+def test_a_task_whose_reply_was_lost_is_handed_out_again(clock):
+    s = ChiefState(JobConfig(), clock)
+    w = s.join_worker(LAYOUT)
+    spec = DatasetSpec(size=40, batch_size=5, epochs=1, batches_per_task=2)
+    first, _ = s.take_tasks(w.member_id, spec, 2, known=frozenset())
+    lost, _ = s.take_tasks(w.member_id, spec, 1, known=frozenset(t.task_id for t in first))   # never arrived
+    again, _ = s.take_tasks(w.member_id, spec, 2, known=frozenset(t.task_id for t in first))
+    assert again[0] == lost[0]                                            # same task, same attempt
+    assert again[1].task_id not in {t.task_id for t in first + lost}      # then a new one
+    held = frozenset(t.task_id for t in first + again)
+    assert s.take_tasks(w.member_id, spec, 0, known=held)[0] == []        # a report-only call gets none
+    rest, _ = s.take_tasks(w.member_id, spec, 8, done=tuple(held), known=held)
+    s.take_tasks(w.member_id, spec, 0, done=tuple(t.task_id for t in rest), known=held)
+    assert s.tasks.finished
+
+
 def test_expired_worker_tasks_go_back_to_the_queue(clock):
     s = ChiefState(JobConfig(lease_seconds=1.0), clock)
     a, b = s.join_worker(LAYOUT), s.join_worker(LAYOUT)
