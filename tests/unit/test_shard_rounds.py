@@ -52,6 +52,47 @@ def test_sync_round_closes_when_a_missing_worker_leaves():
     assert s.version == 1 and torch.equal(s.values(), ones(-3))
 
 
+def test_a_worker_joining_a_running_job_is_waited_for_from_its_first_gradient():
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})                         # present before the first update: waited for
+    s.push("a", 0, ones(1))
+    assert s.version == 0
+    s.push("b", 0, ones(1))
+    s.set_live_workers({"a", "b", "c"})                    # c joins a running job, still loading its data
+    s.push("a", 1, ones(1))
+    s.push("b", 1, ones(1))
+    assert s.version == 2                                  # the round did not wait for c's first step
+    first = s.push("c", 1, ones(1))                        # computed on version 1: stale, batch re-queued
+    assert not first.accepted and first.reason.startswith("stale")
+    s.push("a", 2, ones(1))
+    s.push("b", 2, ones(1))
+    assert s.version == 2                                  # from its first gradient on, c is waited for
+    s.push("c", 2, ones(1))
+    assert s.version == 3
+
+
+def test_a_promoted_backup_waits_for_the_same_workers():
+    primary = shard(SyncRule())
+    primary.set_live_workers({"a"})
+    updates = []
+    primary.replicator = updates.append
+    primary.push("a", 0, ones(1))                          # a alone, in a job where b joined later
+    primary.set_live_workers({"a", "b"})
+    primary.push("b", 0, ones(1))                          # b's first gradient: stale, but now counted
+    backup = Shard.from_replica(primary.export_replica(), SyncRule())
+    backup.set_live_workers({"a", "b"})
+    backup.push("a", 1, ones(1))
+    assert backup.version == 1                             # the copy kept "b has pushed": it waits for b
+    backup.push("b", 1, ones(1))
+    assert backup.version == 2
+    late = shard(SyncRule())                               # a backup fed update by update learns it too
+    late.set_live_workers({"x"})
+    late.apply_replica(updates[0])
+    late.set_live_workers({"a", "b"})
+    late.push("a", 1, ones(1))
+    assert late.version == 2                               # b never pushed where this copy could see it
+
+
 def test_backup_workers_close_the_round_without_the_slowest():
     s = shard(SyncRule(backup_workers=1))
     s.set_live_workers({"a", "b", "c"})
