@@ -16,6 +16,7 @@ import socket
 import threading
 from typing import Callable
 
+import grpc
 import torch
 from google.protobuf.message import DecodeError
 
@@ -146,7 +147,7 @@ class DataChannelServer:
             code, text = exc.code, str(exc)
         else:
             log.error("data channel request failed", exc_info=exc)
-            code, text = tc.status_code(13), f"{type(exc).__name__} on the ps; see its log"
+            code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__} on the ps; see its log"
         tc.send(conn, code.value[0], text.encode()[:tc.MAX_HEAD])
 
     def _push(self, conn: socket.socket, kind: int, head: bytes, body_len: int) -> pb.PushReply:

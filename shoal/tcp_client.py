@@ -79,7 +79,7 @@ class TcpDataChannel:
             sock.settimeout(timeout_s)
             out = fn(sock)
         except ChannelRefusal as r:       # a whole reply was read: the connection is still good
-            self._release(sock)
+            self.release(sock)
             raise r.error from None
         except socket.timeout:
             self._discard(sock)
@@ -92,14 +92,11 @@ class TcpDataChannel:
         except BaseException:
             self._discard(sock)
             raise
-        self._release(sock)
+        self.release(sock)
         return out
 
     def release(self, sock: socket.socket) -> None:
-        """Puts a good connection back for the next call."""
-        self._release(sock)
-
-    def _release(self, sock: socket.socket) -> None:
+        """Puts a good connection back for the next call (closed instead once the channel is)."""
         with self._lock:
             if not self._closed:
                 self._idle.append(sock)
