@@ -9,16 +9,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from _hosts import Placement
+
 
 class Servers:
-    def __init__(self, num_ps: int, mode: str = "async", extra_chief: tuple[str, ...] = ()):
+    """The chief runs as role ``chief``, the servers as ``ps0``, ``ps1``... of ``place`` (default: loopback)."""
+
+    def __init__(self, num_ps: int, mode: str = "async", extra_chief: tuple[str, ...] = (),
+                 place: Placement | None = None):
+        place = place or Placement()
         self.tmp = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
         self.procs: list[subprocess.Popen] = []
         port_file = self.tmp / "chief.port"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = open(self.tmp / "servers.log", "w")
         self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", "--log-level", "warning", "chief", "--bind", "127.0.0.1:0",
+            [*place.prefix("chief"), sys.executable, "-m", "shoal.cli", "--log-level", "warning", "chief",
+             "--bind", f"{place.address('chief')}:0",
              "--port-file", str(port_file), "--num-shards", str(num_ps), "--mode", mode, *extra_chief],
             stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + 60
@@ -26,11 +33,12 @@ class Servers:
             if time.monotonic() > deadline:
                 raise RuntimeError("chief did not start: " + (self.tmp / "servers.log").read_text())
             time.sleep(0.05)
-        self.chief = f"127.0.0.1:{port_file.read_text().strip()}"
-        for _ in range(num_ps):
+        self.chief = f"{place.address('chief')}:{port_file.read_text().strip()}"
+        for i in range(num_ps):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "shoal.cli", "--log-level", "warning", "ps", "--chief", self.chief,
-                 "--bind", "127.0.0.1:0"], stdout=log, stderr=subprocess.STDOUT, env=env))
+                [*place.prefix(f"ps{i}"), sys.executable, "-m", "shoal.cli", "--log-level", "warning", "ps",
+                 "--chief", self.chief, "--bind", f"{place.address(f'ps{i}')}:0"],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
 
     def stop(self) -> None:
         for p in self.procs:

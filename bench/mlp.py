@@ -8,7 +8,13 @@ workers), the ratio to DDP, and the cores each process used (its CPU seconds
 over the middle half of the timed window): on a small host the CPU, not the
 bytes, is what bounds a case. One JSON object per case.
 
+With ``--link 1gbit`` (root; iproute2) every process runs on its own emulated
+host, a network namespace whose link ``tc tbf`` shapes to that rate each way,
+DDP's two ranks included: what the codecs buy when the network, not the CPU,
+is the bottleneck.
+
     .venv/bin/python bench/mlp.py [--seconds 10] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
+    .venv/bin/python bench/mlp.py --link 1gbit --codecs none bf16 topk --also bf16/bf16 topk/bf16 --replicated
 """
 from __future__ import annotations
 
@@ -17,11 +23,16 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import socket
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from _hosts import Placement, enter
+
+ROLES = ["chief", "ps0", "ps1", "w0", "w1", "r0", "r1"]
 
 
 def build() -> torch.nn.Module:
@@ -41,7 +52,9 @@ def _loop(step, seconds: float, warmup: int = 3) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _shoal_worker(chief: str, codec: str, pull_codec: str, seconds: float, barrier, out: mp.Queue) -> None:
+def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
+                  out: mp.Queue) -> None:
+    enter(namespace)
     torch.set_num_threads(1)
     from shoal.worker import Trainer
 
@@ -60,11 +73,15 @@ def _shoal_worker(chief: str, codec: str, pull_codec: str, seconds: float, barri
     trainer.close()
 
 
-def _ddp_worker(rank: int, port: int, seconds: float, out: mp.Queue) -> None:
+def _ddp_worker(namespace: str | None, interface: str, rank: int, store: str, seconds: float,
+                out: mp.Queue) -> None:
+    enter(namespace)
+    if namespace is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model = torch.nn.parallel.DistributedDataParallel(build())
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -77,14 +94,12 @@ def _ddp_worker(rank: int, port: int, seconds: float, out: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(seconds: float) -> float:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+def run_ddp(seconds: float, place: Placement) -> float:
+    store = Path(tempfile.mkdtemp(prefix="shoal-ddp-")) / "store"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, port, seconds, out)) for r in range(2)]
+    procs = [ctx.Process(target=_ddp_worker, args=(place.namespace(f"r{r}"), place.interface(f"r{r}"), r, str(store),
+                                                   seconds, out)) for r in range(2)]
     for p in procs:
         p.start()
     rates = [out.get(timeout=300) for _ in procs]
@@ -100,16 +115,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_shoal(codec: str, pull_codec: str, seconds: float, replicas: int = 1) -> tuple[tuple, dict]:
+def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, replicas: int = 1
+              ) -> tuple[tuple, dict]:
     """(steps/s, push bytes/step, pull bytes/step) averaged over the workers, and the cores each
     process used in the middle of the timed window."""
     from _servers import Servers
 
     ctx = mp.get_context("spawn")
-    with Servers(2, mode="async", extra_chief=("--replicas", str(replicas))) as servers:
+    with Servers(2, mode="async", extra_chief=("--replicas", str(replicas)), place=place) as servers:
         out, barrier = ctx.Queue(), ctx.Barrier(3)
-        procs = [ctx.Process(target=_shoal_worker, args=(servers.chief, codec, pull_codec, seconds, barrier, out))
-                 for _ in range(2)]
+        procs = [ctx.Process(target=_shoal_worker, args=(place.namespace(f"w{i}"), servers.chief, codec, pull_codec,
+                                                         seconds, barrier, out)) for i in range(2)]
         for p in procs:
             p.start()
         barrier.wait()
@@ -134,18 +150,26 @@ def main() -> None:
                    help="more CODEC/PULL cases after --codecs")
     p.add_argument("--replicated", nargs="*", default=["none"],
                    help="codecs to run once more with every shard replicated (--replicas 2)")
+    p.add_argument("--link", metavar="RATE", help="run every process on its own emulated host whose link is "
+                                                   "shaped to RATE each way (tc syntax, e.g. 1gbit; needs root)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ddp = run_ddp(args.seconds)
-    print(json.dumps({"case": "ddp-gloo", "workers": 2, "steps_per_s": round(ddp, 2)}), flush=True)
+    with Placement(ROLES if args.link else None, args.link) as place:
+        run_cases(args, place)
+
+
+def run_cases(args: argparse.Namespace, place: Placement) -> None:
+    link = {"link": args.link or "loopback"}
+    ddp = run_ddp(args.seconds, place)
+    print(json.dumps({"case": "ddp-gloo", "workers": 2, **link, "steps_per_s": round(ddp, 2)}), flush=True)
     cases = [(c, 1) for c in args.codecs + args.also] + [(c, 2) for c in args.replicated]
     for spec, replicas in cases:
         codec, _, pull_codec = spec.partition("/")
-        (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, replicas)
+        (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas)
         name = f"shoal-async-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
             ("-replicated" if replicas == 2 else "")
-        print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, "steps_per_s": round(rate, 2),
+        print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, **link, "steps_per_s": round(rate, 2),
                           "push_bytes_per_step": int(pushed), "pull_bytes_per_step": int(pulled),
                           "ratio_vs_ddp": round(rate / ddp, 2), "cores_used": cores}), flush=True)
 

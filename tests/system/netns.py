@@ -65,6 +65,19 @@ class Hosts:
         i = list(self.addresses).index(name) + 1
         return f"v{self.tag}{i}b"
 
+    def shape(self, name: str, rate: str) -> None:
+        """Limits the host's link to ``rate`` (tc syntax: ``1gbit``) each way, as a switch port would:
+        a token bucket on the veth's egress at both ends."""
+        i = list(self.addresses).index(name) + 1
+        for ns, dev in ((self.ns(name), f"v{self.tag}{i}a"), (self.hub, f"v{self.tag}{i}b")):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                            "rate", rate, "burst", "1mb", "latency", "100ms"], capture_output=True, text=True,
+                           check=True)
+
+    def interface(self, name: str) -> str:
+        """The host's network interface, inside its namespace."""
+        return f"v{self.tag}{list(self.addresses).index(name) + 1}a"
+
     def cut(self, name: str) -> None:
         _ip("-n", self.hub, "link", "set", self._link(name), "down")
 
