@@ -428,34 +428,40 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("shard", "min_version", "timeout_seconds", "codec", "layout_fingerprint")
+    __slots__ = ("shard", "min_version", "timeout_seconds", "codec", "layout_fingerprint", "since_version")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     shard: int
     min_version: int
     timeout_seconds: float
     codec: str
     layout_fingerprint: str
-    def __init__(self, shard: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., codec: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    since_version: int
+    def __init__(self, shard: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., codec: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., since_version: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("shard", "version", "offset", "numel", "codec", "shard_numel")
+    __slots__ = ("shard", "version", "offset", "numel", "codec", "shard_numel", "delta", "changed")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHARD_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
     shard: int
     version: int
     offset: int
     numel: int
     codec: str
     shard_numel: int
-    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., shard_numel: _Optional[int] = ...) -> None: ...
+    delta: bool
+    changed: int
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., shard_numel: _Optional[int] = ..., delta: _Optional[bool] = ..., changed: _Optional[int] = ...) -> None: ...
 
 class DataChannelOffer(_message.Message):
     __slots__ = ("port", "ticket")

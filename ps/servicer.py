@@ -22,7 +22,7 @@ from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors
-from shoal.wire import DATA_SERVICE, decode_chunk, iter_chunks
+from shoal.wire import DATA_SERVICE, decode_chunk, is_sparse, iter_chunks
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,7 @@ class PushAssembly:
         self.grad: torch.Tensor | None = None
         self.covered = 0
         self.owned = False
+        self.sparse = True     # every chunk so far came in a sparse codec (top-k)
 
     def check(self, head: pb.PushHeader) -> None:
         if self.first is None:
@@ -202,6 +203,7 @@ class PushAssembly:
         elif (head.shard, head.key, head.version, head.worker_id) != \
                 (self.first.shard, self.first.key, self.first.version, self.first.worker_id):
             raise InvalidArgument("Push frames disagree on shard, key, version or worker")
+        self.sparse = self.sparse and is_sparse(head.codec)
         numel = self.shard.numel
         if head.offset != self.covered or head.numel < 0 or head.offset + head.numel > numel:
             raise InvalidArgument(f"push chunk [{head.offset}, {head.offset + head.numel}) does not continue "
@@ -236,7 +238,7 @@ class PushAssembly:
         self.servicer.host.count(inbound=nbytes)
         grad = self.grad if self.grad is not None else torch.empty(0, dtype=torch.float32)
         r = shard.push(first.worker_id, first.version, grad, first.key, self.servicer.batch_of(first),
-                       owned=self.owned)
+                       owned=self.owned, sparse=self.sparse)
         return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate)
 
 

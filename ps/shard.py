@@ -16,13 +16,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
+from shoal.ps.changes import ChangeLog
 from shoal.ps.checkpoint_store import ShardState
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
 from shoal.ps.optim import build_optimizer
 from shoal.config import OptimizerSpec
+from shoal.wire import encode_weights, pull_itemsize
 from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class Update:
     keys: tuple[str, ...] = ()                 # idempotency keys it settles
     batches: tuple[tuple[BatchKey, str], ...] = ()   # ledger entries: batch -> the push that applied it
     workers: tuple[str, ...] = ()              # whose clocks advance
+    sparse: bool = False                       # grad is zero outside a few elements (top-k pushes)
 
 
 @dataclass
@@ -70,7 +74,9 @@ class Shard:
         self._opt = build_optimizer(self._param, optimizer)
         self._cond = threading.Condition()
         self.version = 0
+        self.changes = ChangeLog(self.numel, self.version, optimizer)
         self._round_sum: torch.Tensor | None = None
+        self._round_sparse = True
         self._round_workers: set[str] = set()
         self._round_keys: list[str] = []
         self._round_batches: dict[BatchKey, str] = {}
@@ -102,13 +108,15 @@ class Shard:
     # ------------------------------------------------------------ updates
 
     def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "",
-             batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False) -> PushResult:
+             batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
+             sparse: bool = False) -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
         ``batch`` names the data it came from (applied at most once per epoch,
         whoever pushes it). ``owned``: the shard may keep and modify ``grad``. An ``ssp`` push that is too far ahead waits up to
-        ``wait_s`` and then fails with a retryable ResourceExhausted.
+        ``wait_s`` and then fails with a retryable ResourceExhausted. ``sparse``: the gradient is zero
+        outside a few elements (top-k), which lets delta pulls send only what the update changed.
         """
         if grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
@@ -144,7 +152,9 @@ class Shard:
                 # A gradient applied alone (async, ssp) is only read by the optimizer: no copy.
                 alone = self.rule.round_complete({worker}, self._expected())
                 self._round_sum = grad if (owned or alone) else grad.to(torch.float32, copy=True)
+                self._round_sparse = sparse
             else:
+                self._round_sparse = self._round_sparse and sparse
                 self._round_sum.add_(grad)
             self._round_workers.add(worker)
             if key:
@@ -178,7 +188,7 @@ class Shard:
         assert self._round_sum is not None
         grad = self._round_sum.div_(n) if n > 1 else self._round_sum
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
-                        tuple(sorted(self._round_workers)))
+                        tuple(sorted(self._round_workers)), self._round_sparse)
         if self.replicator is not None:
             try:
                 self.replicator(update)
@@ -206,6 +216,7 @@ class Shard:
         self._opt.step()
         self._param.grad = None
         self.version = u.version
+        self.changes.record(u.version, u.grad, u.sparse)
         self.stats.updates += 1
         for k in u.keys:
             self._keys[k] = self.version
@@ -260,18 +271,22 @@ class Shard:
             cached = self._snapshots.get(key)
             if cached is not None and cached[0] == self.version:
                 return cached
-            data = self._param.detach()
-            if codec == "none":
-                view = memoryview(data.numpy()).cast("B")
-            elif codec == "fp16":
-                view = memoryview(data.to(torch.float16).numpy()).cast("B")
-            elif codec == "bf16":
-                view = memoryview(data.to(torch.bfloat16).view(torch.int16).numpy()).cast("B")
-            else:
-                raise InvalidArgument(f"unknown pull codec {codec!r}; known: bf16, fp16, none")
+            view = encode_weights(codec, self._param.detach())
             out = build(self.version, view) if build is not None else bytes(view)
             self._snapshots[key] = (self.version, out)
             return self.version, out
+
+    def delta(self, codec: str, since: int) -> tuple[int, np.ndarray, bytes] | None:
+        """``(version, indices, values in codec)`` of the elements changed after version ``since``; None
+        when a full pull is the answer (the log does not cover ``since``, or the delta would not be
+        much smaller than the weights)."""
+        itemsize = pull_itemsize(codec)
+        with self._cond:
+            idx = self.changes.changed_since(since, self.version)
+            if idx is None or len(idx) * (4 + itemsize) > self.numel * itemsize // 2:
+                return None
+            values = self._param.detach()[torch.from_numpy(idx).long()]
+            return self.version, idx, bytes(encode_weights(codec, values))
 
     def worker_clocks(self) -> dict[str, int]:
         with self._cond:
@@ -375,5 +390,6 @@ class Shard:
                 clock)
         s._opt.load_state_dict(state.opt_state)
         s.version = int(state.version)
+        s.changes = ChangeLog(s.numel, s.version, s.optimizer_spec)
         s.ledger = ledger_from_extra(state.extra)
         return s

@@ -220,14 +220,24 @@ class DataChannelServer:
             raise _Refused(exc) from None
 
     def _pull(self, conn: socket.socket, request: bytes) -> None:
+        """The shard's weights; for a client that says which version it holds, only the elements
+        changed since when that is much less (a delta: their indices, then their values)."""
         try:
             req, shard = self.servicer.pull_ready(request)
             codec = req.codec or "none"
-            version, raw = shard.snapshot(codec)
+            delta = shard.delta(codec, req.since_version) if req.HasField("since_version") else None
+            if delta is None:
+                version, raw = shard.snapshot(codec)
         except Exception as exc:  # noqa: BLE001 - a refusal; the connection goes on
             if isinstance(exc, DecodeError):
                 exc = InvalidArgument(f"corrupt PullRequest: {exc}")
             raise _Refused(exc) from None
-        head = pb.PullHeader(shard=req.shard, version=version, offset=0, numel=shard.numel, codec=codec,
-                             shard_numel=shard.numel).SerializeToString()
-        self.servicer.host.count(outbound=tc.send(conn, tc.OK, head, raw))
+        if delta is not None:
+            version, idx, values = delta
+            head = pb.PullHeader(shard=req.shard, version=version, offset=0, numel=shard.numel, codec=codec,
+                                 shard_numel=shard.numel, delta=True, changed=len(idx))
+            raw = idx.tobytes() + values
+        else:
+            head = pb.PullHeader(shard=req.shard, version=version, offset=0, numel=shard.numel, codec=codec,
+                                 shard_numel=shard.numel)
+        self.servicer.host.count(outbound=tc.send(conn, tc.OK, head.SerializeToString(), raw))

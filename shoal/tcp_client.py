@@ -10,6 +10,7 @@ for a timeout, the ps's own code for a refusal).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -157,11 +158,17 @@ def replicate(sock: socket.socket, head: bytes, grad: memoryview) -> pb.Replicat
     return pb.ReplicateReply.FromString(reply)
 
 
-def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]]) -> tuple[pb.PushReply, int]:
-    """Sends one push as ``(PushHeader bytes, payload)`` chunks; returns the reply and the bytes sent."""
+def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]],
+         uplink: threading.Lock | None = None) -> tuple[pb.PushReply, int]:
+    """Sends one push as ``(PushHeader bytes, payload)`` chunks; returns the reply and the bytes sent.
+
+    ``uplink``, shared by a worker's pushes, lets one push at a time send: on a link slower than
+    the CPU, the first shard's push then finishes (and its pull can start) in half the time
+    instead of all of them finishing together at the end."""
     sent = 0
-    for i, (head, payload) in enumerate(frames):
-        sent += tc.send(sock, tc.PUSH if i == len(frames) - 1 else tc.PUSH_MORE, head, payload)
+    with uplink or contextlib.nullcontext():
+        for i, (head, payload) in enumerate(frames):
+            sent += tc.send(sock, tc.PUSH if i == len(frames) - 1 else tc.PUSH_MORE, head, payload)
     head, body_len = read_reply(sock)
     if body_len:
         raise ConnectionError(f"a push reply with a {body_len}-byte body: not a shoal peer")
@@ -169,18 +176,22 @@ def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]]) ->
 
 
 def pull(sock: socket.socket, request: bytes, numel: int, itemsize: int,
-         into: Callable[[int], memoryview]) -> tuple[pb.PullHeader, int, memoryview]:
-    """Asks for a shard's weights (``numel`` elements of ``itemsize`` bytes); ``into(nbytes)`` gives the
-    writable view the body is received into. Returns the header, the bytes received and that view."""
+         into: Callable[[pb.PullHeader, int], memoryview]) -> tuple[pb.PullHeader, int, memoryview]:
+    """Asks for a shard's weights (``numel`` elements of ``itemsize`` bytes), or the changed ones (a
+    delta: ``changed`` int32 indices, then their values); ``into(header, nbytes)`` gives the writable
+    view the body is received into. Returns the header, the bytes received and that view."""
     tc.send(sock, tc.PULL, request)
     head, body_len = read_reply(sock)
     h = pb.PullHeader.FromString(head)
-    if h.shard_numel != numel or h.offset != 0 or h.numel != numel or body_len != numel * itemsize:
+    expected = h.changed * (4 + itemsize) if h.delta else numel * itemsize
+    if h.shard_numel != numel or h.offset != 0 or h.numel != numel or body_len != expected or \
+            not 0 <= h.changed <= numel:
         tc.discard(sock, body_len)
         raise ChannelRefusal(tc.ChannelError(grpc.StatusCode.INTERNAL,
                                              f"pull of shard {h.shard} sent [{h.offset}, +{h.numel}) of "
-                                             f"{h.shard_numel} elements in {body_len} bytes; this client "
-                                             f"expects all {numel} as {h.codec or 'none'}"))
-    target = into(body_len)
+                                             f"{h.shard_numel} elements in {body_len} bytes"
+                                             f"{f' ({h.changed} changed)' if h.delta else ''}; this client "
+                                             f"expects {numel} as {h.codec or 'none'}"))
+    target = into(h, body_len)
     tc.recv_exactly(sock, target)
     return h, tc.PREFIX.size + len(head) + body_len, target

@@ -5,6 +5,7 @@ cannot drift apart. Frames themselves are built by :mod:`shoal.frames`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator
 
 import grpc
@@ -42,11 +43,40 @@ def decode_chunk(tag: str, payload: memoryview, numel: int) -> torch.Tensor:
         raise InvalidArgument(str(exc)) from exc
 
 
-def decode_weights(tag: str, payload: memoryview, numel: int, out: torch.Tensor) -> None:
-    """Writes pulled weights (``none``/``fp16``/``bf16``) into the fp32 tensor ``out``."""
+@functools.lru_cache(maxsize=64)
+def is_sparse(tag: str) -> bool:
+    """Whether chunks pushed in gradient codec ``tag`` decode to zeros outside a few elements (top-k)."""
+    if tag in ("", "none"):
+        return False
+    from shoal import codecs
+
+    try:
+        return codecs.get_codec(codecs.parse_tag(tag)[0]).sparse
+    except codecs.CodecError:
+        return False
+
+
+def pull_itemsize(tag: str) -> int:
+    """Bytes per element of a pull codec; InvalidArgument for an unknown one."""
     size = PULL_ITEMSIZE.get(tag)
     if size is None:
         raise InvalidArgument(f"unknown pull codec {tag!r}; known: {', '.join(sorted(PULL_ITEMSIZE))}")
+    return size
+
+
+def encode_weights(tag: str, data: torch.Tensor) -> memoryview:
+    """The bytes of the fp32 CPU tensor ``data`` in a pull codec (for ``none``, a view of ``data``)."""
+    pull_itemsize(tag)
+    if tag == "fp16":
+        data = data.to(torch.float16)
+    elif tag == "bf16":
+        data = data.to(torch.bfloat16).view(torch.int16)
+    return memoryview(data.contiguous().numpy()).cast("B")
+
+
+def decode_weights(tag: str, payload: memoryview, numel: int, out: torch.Tensor) -> None:
+    """Writes pulled weights (``none``/``fp16``/``bf16``) into the fp32 tensor ``out``."""
+    size = pull_itemsize(tag)
     if len(payload) != numel * size or out.numel() != numel:
         raise InvalidArgument(f"pull payload of {len(payload)} bytes does not hold {numel} {tag} values")
     if tag == "none":

@@ -12,6 +12,7 @@ import threading
 from typing import Callable
 
 import grpc
+import numpy as np
 import torch
 
 from shoal import frames
@@ -19,7 +20,7 @@ from shoal.config import OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.rpc import open_channel
-from shoal.wire import PULL_ITEMSIZE, DataStubs, decode_weights
+from shoal.wire import DataStubs, decode_weights, pull_itemsize
 from shoal import tcp_client
 from shoal.tcp_client import TcpDataChannel, negotiate
 
@@ -107,10 +108,12 @@ class ShardClient:
         return pb.InitReply.FromString(self._stubs.init(gen(), timeout=timeout_s))
 
     def push(self, chunks: list[tuple[int, int, str, bytes]], *, worker: str, version: int, key: str,
-             view_epoch: int, samples: int, timeout_s: float = 60, **batch: object) -> tuple[pb.PushReply, int]:
+             view_epoch: int, samples: int, timeout_s: float = 60, uplink: threading.Lock | None = None,
+             **batch: object) -> tuple[pb.PushReply, int]:
         """Pushes encoded chunks ``(offset, numel, codec_tag, payload)``; returns the reply and bytes sent.
 
-        ``batch`` holds the PushHeader fields naming the data (task, token, batch range).
+        ``batch`` holds the PushHeader fields naming the data (task, token, batch range). Over the
+        TCP channel, ``uplink`` (a lock all of a worker's shard clients share) sends one push at a time.
         """
         def header(off: int, n: int, tag: str) -> pb.PushHeader:
             return pb.PushHeader(worker_id=worker, shard=self.shard, layout_fingerprint=self.fingerprint,
@@ -120,7 +123,7 @@ class ShardClient:
         tcp = self._data_channel()
         if tcp is not None:
             parts = [(header(off, n, tag).SerializeToString(), payload) for off, n, tag, payload in chunks]
-            return tcp.call(lambda sock: tcp_client.push(sock, parts), timeout_s)
+            return tcp.call(lambda sock: tcp_client.push(sock, parts, uplink), timeout_s)
         framed = [frames.pack(header(off, n, tag), payload) for off, n, tag, payload in chunks]
         sent = sum(len(f) for f in framed)
         if len(framed) == 1:   # one frame: a unary call costs a fraction of a stream's overhead
@@ -130,13 +133,15 @@ class ShardClient:
         return reply, sent
 
     def pull(self, out: torch.Tensor, min_version: int = 0, codec: str = "none",
-             timeout_s: float = 60) -> tuple[int, int]:
-        """Fills ``out`` (this shard's fp32 slice) with the weights; returns (version, bytes received)."""
-        itemsize = PULL_ITEMSIZE.get(codec)
-        if itemsize is None:
-            raise InvalidArgument(f"unknown pull codec {codec!r}; known: {', '.join(sorted(PULL_ITEMSIZE))}")
+             timeout_s: float = 60, since: int | None = None) -> tuple[int, int]:
+        """Fills ``out`` (this shard's fp32 slice) with the weights; returns (version, bytes received).
+
+        ``since``: ``out`` holds the weights at that version, so over the TCP channel the ps may send
+        only the elements changed since. If the call fails, ``out`` may be partly written."""
+        itemsize = pull_itemsize(codec)
         req = pb.PullRequest(shard=self.shard, min_version=min_version, timeout_seconds=timeout_s * 0.9,
-                             codec=codec, layout_fingerprint=self.fingerprint).SerializeToString()
+                             codec=codec, layout_fingerprint=self.fingerprint, since_version=since
+                             ).SerializeToString()
         tcp = self._data_channel()
         if tcp is not None:
             return self._pull_tcp(tcp, req, out, codec, itemsize, timeout_s)
@@ -160,10 +165,14 @@ class ShardClient:
 
     def _pull_tcp(self, tcp: TcpDataChannel, req: bytes, out: torch.Tensor, codec: str, itemsize: int,
                   timeout_s: float) -> tuple[int, int]:
-        """fp32 weights land in ``out`` straight from the socket; fp16/bf16 go through a reused buffer."""
-        direct = codec == "none" and out.is_contiguous() and out.dtype == torch.float32 and out.device.type == "cpu"
+        """fp32 weights land in ``out`` straight from the socket; fp16/bf16 and deltas go through a
+        reused buffer."""
+        can_land = codec == "none" and out.is_contiguous() and out.dtype == torch.float32 and out.device.type == "cpu"
+        direct = False
 
-        def into(nbytes: int) -> memoryview:
+        def into(head: pb.PullHeader, nbytes: int) -> memoryview:
+            nonlocal direct
+            direct = can_land and not head.delta
             if direct:
                 return frames.tensor_bytes(out)
             if len(self._scratch) < nbytes:
@@ -171,9 +180,21 @@ class ShardClient:
             return memoryview(self._scratch)[:nbytes]
 
         head, got, body = tcp.call(lambda sock: tcp_client.pull(sock, req, self.numel, itemsize, into), timeout_s)
-        if not direct:
+        if head.delta:
+            apply_delta(head.codec or "none", body, head.changed, out)
+        elif not direct:
             decode_weights(head.codec or "none", body, self.numel, out)
         return head.version, got
+
+
+def apply_delta(codec: str, body: memoryview, changed: int, out: torch.Tensor) -> None:
+    """Writes a delta pull's values into ``out`` at its indices (checked to lie inside ``out``)."""
+    idx = torch.from_numpy(np.frombuffer(body, dtype=np.int32, count=changed)).long()
+    if changed and not (0 <= int(idx.min()) and int(idx.max()) < out.numel()):
+        raise RuntimeError(f"a delta pull names elements outside [0, {out.numel()})")
+    values = torch.empty(changed, dtype=torch.float32)
+    decode_weights(codec, body[4 * changed:], changed, values)
+    out[idx.to(out.device)] = values.to(out.device)
 
 
 def is_uninitialised(exc: grpc.RpcError) -> bool:

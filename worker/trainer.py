@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -88,12 +88,15 @@ class Trainer:
     worker to initialise a shard decides them. ``compression`` names a gradient
     codec (``shoal.codecs``); ``pull_codec`` is ``none``, ``fp16`` or ``bf16``. ``transport``
     (default ``$SHOAL_TRANSPORT`` or ``tcp``) carries pushes and pulls over the parameter
-    servers' raw TCP data channel; ``grpc`` keeps them on gRPC.
+    servers' raw TCP data channel; ``grpc`` keeps them on gRPC. ``delta_pulls``: a pull over TCP
+    says which version the worker holds, and the ps sends only the elements changed since when
+    that is much less (sparse updates: top-k pushes into SGD without momentum or weight decay).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
-                 transport: str | None = None, ready_timeout_s: float = 120.0, **hparams: float):
+                 transport: str | None = None, delta_pulls: bool = True, ready_timeout_s: float = 120.0,
+                 **hparams: float):
         tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
@@ -124,12 +127,15 @@ class Trainer:
         self._bind_flat_buffers()
         self.staging = Staging(self.flat_weights, self.flat_grads, self.plan.ranges)
         self._clients = {r.shard: self._client(r.shard, r.primary_address) for r in view.shards}
+        self.delta_pulls = delta_pulls
+        self._held: dict[int, int] = {}     # shard -> the version whose weights its pull buffer holds
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
         self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
         self._step_versions = dict(self.versions)
         self._sent: dict[int, _SentPush] = {}
         self._reroute_lock = threading.Lock()
+        self._uplink = threading.Lock()      # one push sends at a time (see tcp_client.push)
         self.failover_timeout_s = 120.0
         self.failovers = 0
         self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
@@ -216,13 +222,7 @@ class Trainer:
             samples = samples or batch.stop - batch.start
         versions = self._step_versions if early else dict(self.versions)
         futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
-        replies = {k: f.result() for k, f in futures.items()}
-        # Sync: wait for the rounds only when every shard took this step's gradient. A worker that
-        # was late somewhere (a backup-worker round closed without it) moves on at once instead;
-        # waiting on the shards that did take it could deadlock against workers late elsewhere.
-        in_round = self.mode == "sync" and all(r.accepted and not r.duplicate for r in replies.values())
-        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
-                                                       resend=True), list(self._clients)))
+        replies = self._push_then_pull(futures, versions)
         self.staging.before_compute()
         replies = list(replies.values())
         if batch is not None and self._feed is not None:
@@ -240,6 +240,31 @@ class Trainer:
                 self._step_seconds = period if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * period
             self._last_step_end = now
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
+
+    def _push_then_pull(self, futures: dict[int, Future], versions: dict[int, int]) -> dict[int, pb.PushReply]:
+        """Waits for the pushes and pulls every shard's new weights; returns the push replies.
+
+        Async and ssp: a shard's pull starts as soon as its own push is answered, so it comes down
+        while the other shards' pushes still go up. Sync waits for the rounds only when every shard
+        took this step's gradient: a worker that was late somewhere (a backup-worker round closed
+        without it) moves on at once instead, as waiting on the shards that did take it could
+        deadlock against workers late elsewhere.
+        """
+        if self.mode != "sync":
+            shard_of = {f: k for k, f in futures.items()}
+            replies, pulls = {}, []
+            for f in as_completed(shard_of):
+                k = shard_of[f]
+                replies[k] = f.result()
+                pulls.append(self._pool.submit(self._pull_shard, k, replies[k].version, True))
+            for f in pulls:
+                f.result()
+            return replies
+        replies = {k: f.result() for k, f in futures.items()}
+        in_round = all(r.accepted and not r.duplicate for r in replies.values())
+        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
+                                                       resend=True), list(self._clients)))
+        return replies
 
     def _key_base(self) -> str:
         batch = self._batch
@@ -277,7 +302,7 @@ class Trainer:
             try:
                 reply, sent = client.push(p.chunks, worker=self.member_id, version=p.version, key=p.key,
                                           view_epoch=self.chief.view.epoch if self.chief.view else 0,
-                                          samples=p.samples, **p.extra)
+                                          samples=p.samples, uplink=self._uplink, **p.extra)
                 break
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "is over" in (exc.details() or ""):
@@ -323,6 +348,7 @@ class Trainer:
         client = self._clients[shard]
         log.warning("shard %d lost its state (%s); --recovery fast: going on from %s", shard,
                     (exc.details() or "")[:100], "this worker's weights" if is_uninitialised(exc) else "its restore")
+        self._held.pop(shard, None)
         if is_uninitialised(exc):
             client.init(self.flat_weights[a:b].cpu(), self.optimizer)
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
@@ -367,12 +393,14 @@ class Trainer:
         """Pulls shard's weights at ``min_version`` or later. ``resend``: after a failover, push this
         step's gradient again first (the new primary may not have it; if it has, the key says so)."""
         buf = self.staging.weights_target(shard)
+        since = self._held.pop(shard, None) if self.delta_pulls else None
         while True:
             client = self._clients[shard]
             try:
-                version, got = client.pull(buf, min_version, self.pull_codec)
+                version, got = client.pull(buf, min_version, self.pull_codec, since=since)
                 break
             except grpc.RpcError as exc:
+                since = None                      # buf may be partly written: the next try pulls it whole
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.info("shard %d: still waiting for version %d", shard, min_version)
                     continue
@@ -389,6 +417,7 @@ class Trainer:
                         min_version = min(min_version, reply.version)
         self.staging.land(shard)
         self.versions[shard] = version
+        self._held[shard] = version
         self._count(pulled=got)
 
     def pull(self) -> None:

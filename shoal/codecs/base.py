@@ -31,11 +31,13 @@ class Codec(abc.ABC):
     """Turns a 1-D fp32 tensor into a compact payload and back.
 
     ``biased`` says whether the codec drops information systematically enough
-    that error feedback should carry what it lost into the next step.
+    that error feedback should carry what it lost into the next step. ``sparse``:
+    a decoded tensor is zero outside a few elements.
     """
 
     name: str = ""
     biased: bool = False
+    sparse: bool = False
 
     @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> bytes:

@@ -58,6 +58,7 @@ class TopKCodec(Codec):
     """Sparsification to the top ``ratio`` fraction of elements by magnitude."""
 
     name = "topk"
+    sparse = True
     biased = True
 
     def __init__(self, ratio: float = 0.01):

@@ -46,3 +46,33 @@ def test_unknown_compressor_lists_the_known_ones(cluster_factory):
     c = cluster_factory(1)
     with pytest.raises(ValueError, match="unknown compressor 'zip'; known: bf16, fp16, int8, none, sign, topk"):
         Trainer(torch.nn.Linear(2, 2), chief=c.chief_address, compression="zip")
+
+
+def test_top_k_into_plain_sgd_pulls_only_the_changed_weights_and_ends_equal(cluster_factory):
+    c = cluster_factory(2, mode="async")
+    (xtr, ytr), (xte, yte) = digits.load(0)
+    models = [digits.build_model(64) for _ in range(2)]
+    trainers = [Trainer(m, chief=c.chief_address, optimizer="sgd", lr=0.1, compression="topk:0.02") for m in models]
+
+    def run(t, m):
+        for xb, yb in t.batches((xtr, ytr), batch_size=32, epochs=6):
+            t.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            t.step()
+
+    try:
+        run_threads(*[lambda t=t, m=m: run(t, m) for t, m in zip(trainers, models)], timeout_s=120)
+        t = trainers[0]
+        t.pull()
+        for k, client in t._clients.items():                  # a whole pull gives what the deltas built
+            a, b = t.plan.ranges[k]
+            whole = torch.empty(b - a)
+            client.pull(whole)
+            assert torch.equal(whole, t.flat_weights[a:b])
+        raw = 4 * sum(p.numel() for p in models[0].parameters())
+        pulled_per_step = sum(t.counters.bytes_pulled for t in trainers) / sum(t.counters.steps for t in trainers)
+        assert pulled_per_step < raw / 4
+        assert digits.accuracy(models[0], xte, yte) >= 0.8
+    finally:
+        for t in trainers:
+            t.close()

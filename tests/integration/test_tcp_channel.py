@@ -8,6 +8,7 @@ import torch
 
 from shoal import frames
 from shoal import tcp_channel as tc
+from shoal.codecs.sparse import TopKCodec
 from shoal.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.host import ShardHost
@@ -161,3 +162,28 @@ def test_a_replicated_update_that_is_not_the_whole_gradient_is_refused(ps):
     kind, text, _ = tc.recv_prefix(s)
     assert tc.status_code(kind) == grpc.StatusCode.FAILED_PRECONDITION     # this ps is shard 0's primary
     assert host.get(0).version == 0
+
+
+def test_a_pull_since_a_held_version_gets_only_what_top_k_pushes_changed(ps):
+    host, _, c, _ = ps
+    topk = TopKCodec(ratio=3 / N)
+
+    def push_sparse(idx, key):
+        g = torch.zeros(N)
+        g[idx] = torch.tensor([1.0, 2.0, 3.0])
+        return c.push([(0, N, "topk", topk.encode(g))], worker="w", version=0, key=key, view_epoch=0, samples=1)
+
+    push(c, torch.ones(N), "dense")
+    held = torch.empty(N)
+    version, got = c.pull(held)
+    assert version == 1 and got > 4 * N
+    push_sparse([5, 17, 900], "s1")
+    push_sparse([17, 18, 19], "s2")
+    version, got = c.pull(held, since=1)
+    assert version == 3 and got < 200                       # 5 indices and 5 values, not 4 kB
+    assert torch.equal(held, host.get(0).values())
+    assert c.pull(held, since=3)[1] < 100                   # nothing changed
+    push(c, torch.ones(N), "dense again")
+    version, got = c.pull(held, since=3)
+    assert version == 4 and got > 4 * N                     # a dense update: the whole shard
+    assert torch.equal(held, host.get(0).values())

@@ -1,0 +1,63 @@
+"""Which elements of a shard changed after which version: what a delta pull sends.
+
+A worker that holds a shard's weights at version ``s`` can ask for only the
+elements that changed since. That pays when updates are sparse: top-k pushes
+into an optimizer that leaves an element with a zero gradient untouched
+(plain SGD: no momentum, no weight decay). Every other update (a dense
+gradient, or Adam, whose moments move every element) marks the whole shard
+changed at its version, which costs nothing: the next pull is a full one.
+
+The log is conservative: an element marked changed that did not is harmless
+(it is sent again); an element that changed is never missed. A pull since a
+version the log does not cover (before this copy started tracking, or after
+it, on a server that went back) is answered in full.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shoal.config import OptimizerSpec
+
+DENSE_FRACTION = 0.25   # a sparse update touching more than this share of the shard counts as dense
+
+
+def leaves_zeros_alone(spec: OptimizerSpec) -> bool:
+    """Whether the optimizer leaves an element whose gradient is zero unchanged."""
+    h = dict(spec.hparams)
+    return spec.name == "sgd" and not h.get("momentum", 0.0) and not h.get("weight_decay", 0.0)
+
+
+class ChangeLog:
+    def __init__(self, numel: int, version: int, optimizer: OptimizerSpec):
+        self.numel = numel
+        self.tracks = leaves_zeros_alone(optimizer)
+        # A pull since an earlier version is answered in full. A new copy (created, restored, or
+        # copied from a primary) answers its first pull in full: a worker's weights "at version v"
+        # may be another copy's v (a shard that restarted empty starts over at 0).
+        self.full_after = version + 1
+        self._base = version               # versions are stored as int32 offsets from this
+        self._changed: torch.Tensor | None = None   # per element: the version (offset) it last changed at
+
+    def record(self, version: int, grad: torch.Tensor, sparse: bool) -> None:
+        """An update to ``version`` with ``grad`` was applied; ``sparse``: the gradient is zero outside a
+        few elements (the pushes were top-k)."""
+        if not (self.tracks and sparse) or version - self._base >= 2 ** 31 - 1:
+            self.full_after = version
+            return
+        idx = np.flatnonzero(grad.numpy() != 0)     # a bool mask: 6x faster than on floats
+        if len(idx) > DENSE_FRACTION * self.numel:
+            self.full_after = version
+            return
+        if self._changed is None:
+            self._changed = torch.zeros(self.numel, dtype=torch.int32)
+        self._changed.numpy()[idx] = version - self._base
+
+    def changed_since(self, since: int, version: int) -> np.ndarray | None:
+        """Indices (int32, increasing) of the elements that changed after ``since`` up to ``version``, or
+        None when only a full pull is right (``since`` outside what the log covers)."""
+        if since < self.full_after or since > version:
+            return None
+        if since == version or self._changed is None:
+            return np.empty(0, dtype=np.int32)
+        return np.flatnonzero(self._changed.numpy() > since - self._base).astype(np.int32)
