@@ -10,7 +10,6 @@ for a timeout, the ps's own code for a refusal).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -158,17 +157,11 @@ def replicate(sock: socket.socket, head: bytes, grad: memoryview) -> pb.Replicat
     return pb.ReplicateReply.FromString(reply)
 
 
-def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]],
-         uplink: threading.Lock | None = None) -> tuple[pb.PushReply, int]:
-    """Sends one push as ``(PushHeader bytes, payload)`` chunks; returns the reply and the bytes sent.
-
-    ``uplink``, shared by a worker's pushes, lets one push at a time send: on a link slower than
-    the CPU, the first shard's push then finishes (and its pull can start) in half the time
-    instead of all of them finishing together at the end."""
+def push(sock: socket.socket, frames: list[tuple[bytes, bytes | memoryview]]) -> tuple[pb.PushReply, int]:
+    """Sends one push as ``(PushHeader bytes, payload)`` chunks; returns the reply and the bytes sent."""
     sent = 0
-    with uplink or contextlib.nullcontext():
-        for i, (head, payload) in enumerate(frames):
-            sent += tc.send(sock, tc.PUSH if i == len(frames) - 1 else tc.PUSH_MORE, head, payload)
+    for i, (head, payload) in enumerate(frames):
+        sent += tc.send(sock, tc.PUSH if i == len(frames) - 1 else tc.PUSH_MORE, head, payload)
     head, body_len = read_reply(sock)
     if body_len:
         raise ConnectionError(f"a push reply with a {body_len}-byte body: not a shoal peer")

@@ -108,12 +108,10 @@ class ShardClient:
         return pb.InitReply.FromString(self._stubs.init(gen(), timeout=timeout_s))
 
     def push(self, chunks: list[tuple[int, int, str, bytes]], *, worker: str, version: int, key: str,
-             view_epoch: int, samples: int, timeout_s: float = 60, uplink: threading.Lock | None = None,
-             **batch: object) -> tuple[pb.PushReply, int]:
+             view_epoch: int, samples: int, timeout_s: float = 60, **batch: object) -> tuple[pb.PushReply, int]:
         """Pushes encoded chunks ``(offset, numel, codec_tag, payload)``; returns the reply and bytes sent.
 
-        ``batch`` holds the PushHeader fields naming the data (task, token, batch range). Over the
-        TCP channel, ``uplink`` (a lock all of a worker's shard clients share) sends one push at a time.
+        ``batch`` holds the PushHeader fields naming the data (task, token, batch range).
         """
         def header(off: int, n: int, tag: str) -> pb.PushHeader:
             return pb.PushHeader(worker_id=worker, shard=self.shard, layout_fingerprint=self.fingerprint,
@@ -123,7 +121,7 @@ class ShardClient:
         tcp = self._data_channel()
         if tcp is not None:
             parts = [(header(off, n, tag).SerializeToString(), payload) for off, n, tag, payload in chunks]
-            return tcp.call(lambda sock: tcp_client.push(sock, parts, uplink), timeout_s)
+            return tcp.call(lambda sock: tcp_client.push(sock, parts), timeout_s)
         framed = [frames.pack(header(off, n, tag), payload) for off, n, tag, payload in chunks]
         sent = sum(len(f) for f in framed)
         if len(framed) == 1:   # one frame: a unary call costs a fraction of a stream's overhead

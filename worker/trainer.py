@@ -135,7 +135,6 @@ class Trainer:
         self._step_versions = dict(self.versions)
         self._sent: dict[int, _SentPush] = {}
         self._reroute_lock = threading.Lock()
-        self._uplink = threading.Lock()      # one push sends at a time (see tcp_client.push)
         self.failover_timeout_s = 120.0
         self.failovers = 0
         self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
@@ -302,7 +301,7 @@ class Trainer:
             try:
                 reply, sent = client.push(p.chunks, worker=self.member_id, version=p.version, key=p.key,
                                           view_epoch=self.chief.view.epoch if self.chief.view else 0,
-                                          samples=p.samples, uplink=self._uplink, **p.extra)
+                                          samples=p.samples, **p.extra)
                 break
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "is over" in (exc.details() or ""):

@@ -71,7 +71,7 @@ class Hosts:
         i = list(self.addresses).index(name) + 1
         for ns, dev in ((self.ns(name), f"v{self.tag}{i}a"), (self.hub, f"v{self.tag}{i}b")):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                            "rate", rate, "burst", "1mb", "latency", "100ms"], capture_output=True, text=True,
+                            "rate", rate, "burst", "256kb", "latency", "10ms"], capture_output=True, text=True,
                            check=True)
 
     def interface(self, name: str) -> str:
