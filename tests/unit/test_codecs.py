@@ -145,6 +145,18 @@ def test_topk_sampling_fallbacks_stay_exact(pattern):
     assert int((y != 0).sum()) == int((x[expected] != 0).sum())
 
 
+def test_topk_with_ties_at_the_kth_magnitude_sends_exactly_k():
+    n = 1 << 17
+    x = randn(n, seed=5) * 1e-3
+    tied = torch.randperm(n, generator=torch.Generator().manual_seed(6))[:10000]
+    x[tied] = torch.where(torch.arange(10000) % 2 == 0, 1.0, -1.0)
+    payload, y = roundtrip("topk", x, ratio=0.05)
+    k = math.ceil(0.05 * n)
+    assert len(payload) == 4 * 2 + 6 * k
+    kept = np.flatnonzero(y.numpy())
+    assert len(kept) == k and bool((y[kept].abs() == 1.0).all())
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_sign_is_sign_times_chunk_mean(n):
     x = randn(n)
