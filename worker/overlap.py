@@ -47,7 +47,8 @@ class GradReadiness:
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def on_ready(p: torch.Tensor) -> None:
             if p.grad is not None and p.grad.data_ptr() != self._views[i].data_ptr():
-                self._views[i].copy_(p.grad)   # autograd replaced .grad: keep the flat buffer current
+                self._views[i].copy_(p.grad)   # a new gradient (after zero_grad): into the flat buffer
+                p.grad = self._views[i]
             with self._lock:
                 if not self.armed:
                     return
