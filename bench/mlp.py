@@ -3,17 +3,19 @@
 2 workers and 2 parameter servers in async mode (shards not replicated, as DDP
 keeps no second copy; ``--replicated`` codecs run once more with replicas), one case per compressor,
 against torch DistributedDataParallel over gloo with the same model and batch
-(2 processes), in the same run. Reports worker steps per second (mean over
-workers), the ratio to DDP, and the cores each process used (its CPU seconds
-over the middle half of the timed window): on a small host the CPU, not the
-bytes, is what bounds a case. One JSON object per case.
+(2 processes), in the same run: ``--rounds`` times DDP and then every case,
+each case's ratio taken to its own round's DDP. Reports worker steps per second
+(mean over workers) and the ratio to DDP, the medians over the rounds, and the
+cores each process used (its CPU seconds over the middle half of the timed
+window): on a small host the CPU, not the bytes, is what bounds a case. One
+JSON object per case.
 
 With ``--link 1gbit`` (root; iproute2) every process runs on its own emulated
 host, a network namespace whose link ``tc tbf`` shapes to that rate each way,
 DDP's two ranks included: what the codecs buy when the network, not the CPU,
 is the bottleneck.
 
-    .venv/bin/python bench/mlp.py [--seconds 10] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
+    .venv/bin/python bench/mlp.py [--seconds 10] [--rounds 3] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
     .venv/bin/python bench/mlp.py --link 1gbit --codecs none bf16 topk --also bf16/bf16 topk/bf16 --replicated
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -150,6 +153,7 @@ def main() -> None:
                    help="more CODEC/PULL cases after --codecs")
     p.add_argument("--replicated", nargs="*", default=["none"],
                    help="codecs to run once more with every shard replicated (--replicas 2)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of DDP + every case; medians are reported")
     p.add_argument("--link", metavar="RATE", help="run every process on its own emulated host whose link is "
                                                    "shaped to RATE each way (tc syntax, e.g. 1gbit; needs root)")
     args = p.parse_args()
@@ -160,18 +164,30 @@ def main() -> None:
 
 
 def run_cases(args: argparse.Namespace, place: Placement) -> None:
+    """Each round runs DDP and then every case; a case's ratio is to the DDP of its own round, and the
+    median over rounds is reported (this host's speed drifts by a third between minutes)."""
     link = {"link": args.link or "loopback"}
-    ddp = run_ddp(args.seconds, place)
-    print(json.dumps({"case": "ddp-gloo", "workers": 2, **link, "steps_per_s": round(ddp, 2)}), flush=True)
     cases = [(c, 1) for c in args.codecs + args.also] + [(c, 2) for c in args.replicated]
-    for spec, replicas in cases:
+    ddp_rates: list[float] = []
+    runs: dict[tuple[str, int], list] = {case: [] for case in cases}
+    for _ in range(args.rounds):
+        ddp = run_ddp(args.seconds, place)
+        ddp_rates.append(ddp)
+        for spec, replicas in cases:
+            codec, _, pull_codec = spec.partition("/")
+            (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas)
+            runs[(spec, replicas)].append((rate / ddp, rate, pushed, pulled, cores))
+    print(json.dumps({"case": "ddp-gloo", "workers": 2, **link, "steps_per_s": round(statistics.median(ddp_rates), 2),
+                      "steps_per_s_per_round": [round(r, 2) for r in ddp_rates]}), flush=True)
+    for (spec, replicas), results in runs.items():
         codec, _, pull_codec = spec.partition("/")
-        (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas)
         name = f"shoal-async-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
             ("-replicated" if replicas == 2 else "")
-        print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, **link, "steps_per_s": round(rate, 2),
-                          "push_bytes_per_step": int(pushed), "pull_bytes_per_step": int(pulled),
-                          "ratio_vs_ddp": round(rate / ddp, 2), "cores_used": cores}), flush=True)
+        ratio, rate, pushed, pulled, cores = sorted(results, key=lambda r: r[0])[len(results) // 2]
+        print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, **link,
+                          "steps_per_s": round(rate, 2), "push_bytes_per_step": int(pushed),
+                          "pull_bytes_per_step": int(pulled), "ratio_vs_ddp": round(ratio, 2),
+                          "ratio_per_round": [round(r[0], 2) for r in results], "cores_used": cores}), flush=True)
 
 
 if __name__ == "__main__":
