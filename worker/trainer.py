@@ -23,7 +23,7 @@ from shoal.chief.membership import Counters
 from shoal.chief.tasks import DatasetSpec, Task
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
-from shoal.errors import NOT_PRIMARY, InvalidArgument
+from shoal.errors import InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.memory import tune_malloc
 from shoal.rpc import with_retries
@@ -32,26 +32,13 @@ from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 
 from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
+from shoal.worker.routes import ShardRoutes, is_failover, went_back
 from shoal.worker.push import GradientEncoder
 from shoal.worker.staging import Staging
 
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-def is_failover(exc: grpc.RpcError) -> bool:
-    """The shard's server is gone, or is not (any more) the shard's primary: re-read the view."""
-    details = exc.details() or ""
-    return (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)   # cancelled: server stopping
-            or (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NOT_PRIMARY in details)
-            or (exc.code() == grpc.StatusCode.NOT_FOUND and "does not hold shard" in details))
-
-
-def went_back(exc: grpc.RpcError) -> bool:
-    """The shard is empty, or behind the version this worker saw: it restarted (``--recovery fast``)."""
-    return is_uninitialised(exc) or (exc.code() == grpc.StatusCode.INVALID_ARGUMENT
-                                     and "push computed on version" in (exc.details() or ""))
 
 
 @dataclass(frozen=True)
@@ -126,7 +113,8 @@ class Trainer:
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
         self._bind_flat_buffers()
         self.staging = Staging(self.flat_weights, self.flat_grads, self.plan.ranges)
-        self._clients = {r.shard: self._client(r.shard, r.primary_address) for r in view.shards}
+        self.routes = ShardRoutes(self.chief, view, self._client, lambda: self.chief.member_id)
+        self._clients = self.routes.clients
         self.delta_pulls = delta_pulls
         self._held: dict[int, int] = {}     # shard -> the version whose weights its pull buffer holds
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
@@ -134,9 +122,6 @@ class Trainer:
         self.step_count = 0
         self._step_versions = dict(self.versions)
         self._sent: dict[int, _SentPush] = {}
-        self._reroute_lock = threading.Lock()
-        self.failover_timeout_s = 120.0
-        self.failovers = 0
         self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
                                         self._launch_push) if overlap else None
         self._started = False
@@ -151,6 +136,11 @@ class Trainer:
     @property
     def member_id(self) -> str:
         return self.chief.member_id
+
+    @property
+    def failovers(self) -> int:
+        """How many times a shard moved to another server (a failover) during this worker's life."""
+        return self.routes.failovers
 
     def _client(self, shard: int, address: str) -> ShardClient:
         return ShardClient(shard, address, self.plan.shard_numel(shard), self.layout.fingerprint,
@@ -320,24 +310,9 @@ class Trainer:
                     return pb.PushReply(accepted=False, version=version, reason=exc.details())
                 if not is_failover(exc):
                     raise
-                self._reroute(shard, client, exc)
+                self.routes.reroute(shard, client, exc)
         self._count(pushed=sent)
         return reply
-
-    def _report_unreachable(self, shard: int) -> None:
-        """Tells the chief the shard's primary does not answer: if the chief's probe agrees, it promotes
-        the backup now instead of after the lease. Best effort."""
-        view = self.chief.view
-        route = next((r for r in view.shards if r.shard == shard), None) if view else None
-        if route is None:
-            return
-        try:
-            reply = self.chief.stub.ReportUnreachable(
-                pb.UnreachableReport(reporter_id=self.member_id, member_id=route.primary_id), timeout=5)
-            if reply.expired:
-                log.warning("shard %d: the chief confirmed %s is gone", shard, route.primary_id)
-        except grpc.RpcError as exc:
-            log.info("could not report %s unreachable: %s", route.primary_id, exc.code().name)
 
     def _restart_shard(self, shard: int, exc: grpc.RpcError) -> int:
         """The shard lost every copy and came back empty or from a checkpoint (``--recovery fast``).
@@ -356,40 +331,6 @@ class Trainer:
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
         self.versions[shard] = self._step_versions[shard] = version
         return version
-
-    def _reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
-        """The shard's server failed or is no longer its primary: follow the view to the one that is.
-
-        Waits for a view naming another primary; if none comes within two leases
-        (a blip, not a death) it tries the same server again. Gives up after
-        ``failover_timeout_s``.
-        """
-        with self._reroute_lock:
-            if self._clients[shard] is not failed:          # another thread already moved this shard
-                return
-            deadline = time.monotonic() + self.failover_timeout_s
-            patience = time.monotonic() + 2 * max(self.chief.lease_seconds, 1.0)
-            log.warning("shard %d: %s at %s (%s); looking for its primary", shard, exc.code().name,
-                        failed.address, (exc.details() or "")[:120])
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._report_unreachable(shard)
-            while True:
-                try:
-                    view = self.chief.refresh_view()
-                except grpc.RpcError:
-                    view = self.chief.view
-                route = next((r for r in view.shards if r.shard == shard), None) if view else None
-                now = time.monotonic()
-                if route is not None and (route.primary_address != failed.address or now >= patience):
-                    break
-                if now >= deadline:
-                    raise exc
-                time.sleep(0.05)
-            if route.primary_address != failed.address:
-                log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)
-            self._clients[shard] = self._client(shard, route.primary_address)
-            self.failovers += 1
-            failed.close()
 
     def _pull_shard(self, shard: int, min_version: int = 0, resend: bool = False) -> None:
         """Pulls shard's weights at ``min_version`` or later. ``resend``: after a failover, push this
@@ -411,7 +352,7 @@ class Trainer:
                     continue
                 if not is_failover(exc):
                     raise
-                self._reroute(shard, client, exc)
+                self.routes.reroute(shard, client, exc)
                 sent = self._sent.get(shard)
                 if resend and sent is not None:
                     reply = self._send(shard, sent)
@@ -483,8 +424,7 @@ class Trainer:
         """Leaves the job gracefully (returns held tasks) and closes connections."""
         self.chief.leave()
         self._pool.shutdown(wait=False)
-        for c in self._clients.values():
-            c.close()
+        self.routes.close()
         self.chief.close()
 
     def __enter__(self) -> "Trainer":

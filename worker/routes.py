@@ -1,0 +1,119 @@
+"""Which server serves each shard for a worker, and finding the new one when it fails.
+
+:class:`ShardRoutes` holds one :class:`ShardClient` per shard, at the
+primary the chief's view names. When a call fails in a way that means the
+server is gone or no longer the primary, :meth:`ShardRoutes.reroute` tells
+the chief (so it can promote the backup at once), follows the view to the
+new primary and swaps the client. The push and pull retry loops that decide
+when to call it live in the Trainer.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from shoal.chief_client import ChiefClient
+from shoal.errors import NOT_PRIMARY
+from shoal.proto import shoal_pb2 as pb
+from shoal.worker.ps_client import ShardClient, is_uninitialised
+
+log = logging.getLogger(__name__)
+
+
+def is_failover(exc: grpc.RpcError) -> bool:
+    """The shard's server is gone, or is not (any more) the shard's primary: re-read the view."""
+    details = exc.details() or ""
+    return (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)   # cancelled: server stopping
+            or (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NOT_PRIMARY in details)
+            or (exc.code() == grpc.StatusCode.NOT_FOUND and "does not hold shard" in details))
+
+
+def went_back(exc: grpc.RpcError) -> bool:
+    """The shard is empty, or behind the version this worker saw: it restarted (``--recovery fast``)."""
+    return is_uninitialised(exc) or (exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                                     and "push computed on version" in (exc.details() or ""))
+
+
+class ShardRoutes:
+    """``routes[shard]`` is the client of the shard's primary; :meth:`reroute` replaces it after a failure.
+
+    ``clients`` is one dict for the routes' whole life (a reroute swaps an entry), so holders of it see
+    every change. ``failover_timeout_s`` bounds the wait for a new primary.
+    """
+
+    def __init__(self, chief: ChiefClient, view: pb.ClusterView, make_client: Callable[[int, str], ShardClient],
+                 member_id: Callable[[], str]):
+        self.chief = chief
+        self._make = make_client
+        self._member_id = member_id
+        self.clients: dict[int, ShardClient] = {r.shard: make_client(r.shard, r.primary_address)
+                                                for r in view.shards}
+        self._lock = threading.Lock()
+        self.failover_timeout_s = 120.0
+        self.failovers = 0
+
+    def __getitem__(self, shard: int) -> ShardClient:
+        return self.clients[shard]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.clients)
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
+        """The shard's server failed or is no longer its primary: follow the view to the one that is.
+
+        Waits for a view naming another primary; if none comes within two leases
+        (a blip, not a death) it tries the same server again. Gives up (raising
+        ``exc``) after ``failover_timeout_s``.
+        """
+        with self._lock:
+            if self.clients[shard] is not failed:          # another thread already moved this shard
+                return
+            deadline = time.monotonic() + self.failover_timeout_s
+            patience = time.monotonic() + 2 * max(self.chief.lease_seconds, 1.0)
+            log.warning("shard %d: %s at %s (%s); looking for its primary", shard, exc.code().name,
+                        failed.address, (exc.details() or "")[:120])
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._report_unreachable(shard)
+            while True:
+                try:
+                    view = self.chief.refresh_view()
+                except grpc.RpcError:
+                    view = self.chief.view
+                route = next((r for r in view.shards if r.shard == shard), None) if view else None
+                now = time.monotonic()
+                if route is not None and (route.primary_address != failed.address or now >= patience):
+                    break
+                if now >= deadline:
+                    raise exc
+                time.sleep(0.05)
+            if route.primary_address != failed.address:
+                log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)
+            self.clients[shard] = self._make(shard, route.primary_address)
+            self.failovers += 1
+            failed.close()
+
+    def _report_unreachable(self, shard: int) -> None:
+        """Tells the chief the shard's primary does not answer: if the chief's probe agrees, it promotes
+        the backup now instead of after the lease. Best effort."""
+        view = self.chief.view
+        route = next((r for r in view.shards if r.shard == shard), None) if view else None
+        if route is None:
+            return
+        try:
+            reply = self.chief.stub.ReportUnreachable(
+                pb.UnreachableReport(reporter_id=self._member_id(), member_id=route.primary_id), timeout=5)
+            if reply.expired:
+                log.warning("shard %d: the chief confirmed %s is gone", shard, route.primary_id)
+        except grpc.RpcError as exc:
+            log.info("could not report %s unreachable: %s", route.primary_id, exc.code().name)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
