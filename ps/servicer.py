@@ -265,4 +265,6 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                               ledger=[pb.LedgerEpoch(epoch=e.epoch, applied=e.applied, max_count=e.max_count)
                                       for e in s.ledger_summary()], worker_clocks=s.worker_clocks(),
                               backup=r.backup if r else "", backup_state=r.state if r else "none",
-                              promotions=self.host.promotions)
+                              promotions=self.host.promotions,
+                              optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
+                                                           hparams=dict(s.optimizer_spec.hparams)))

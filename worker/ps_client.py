@@ -19,6 +19,7 @@ from shoal import frames
 from shoal.config import OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs, decode_weights, pull_itemsize
 from shoal import tcp_client
@@ -88,6 +89,11 @@ class ShardClient:
                 self._tcp = negotiate(self._stubs, self.address, self.member_id, f"shard {self.shard}")
                 self._negotiated = True
             return self._tcp
+
+    def status(self, timeout_s: float = 10) -> pb.ShardStatus:
+        """The shard's state on this server (its version, its optimizer, ...)."""
+        stub = pb_grpc.ParameterServerStub(self.channel)
+        return stub.Status(pb.StatusRequest(shard=self.shard, by_shard=True), timeout=timeout_s)
 
     def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60) -> pb.InitReply:
         opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams))

@@ -32,6 +32,11 @@ class GradientEncoder:
                 raise InvalidArgument(str(exc)) from exc
             self.tag = self._compressor.tag
 
+    @property
+    def biased(self) -> bool:
+        """The codec drops information, so error feedback carries it over (int8, topk, sign)."""
+        return self._compressor is not None and self._compressor.feedback is not None
+
     def encode(self, shard: int, grad: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int, str, bytes]]:
         """``[(offset, numel, tag, payload)]`` covering ``grad`` in chunks of about ``chunk_bytes`` (fp32)."""
         numel = grad.numel()

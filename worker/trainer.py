@@ -31,6 +31,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 
+from shoal.worker.momentum import LocalMomentum, server_optimizer
 from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
 from shoal.worker.routes import ShardRoutes, is_failover, went_back
 from shoal.worker.push import GradientEncoder
@@ -82,15 +83,18 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
-                 transport: str | None = None, delta_pulls: bool = True, ready_timeout_s: float = 120.0,
-                 **hparams: float):
+                 transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
+                 ready_timeout_s: float = 120.0, **hparams: float):
         tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
         if not self.chief_address:
             raise InvalidArgument("no chief address: pass chief=HOST:PORT or set SHOAL_CHIEF")
-        self.optimizer = OptimizerSpec(optimizer, hparams)
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
+        spec = OptimizerSpec(optimizer, hparams)
+        # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
+        self.optimizer = server_optimizer(spec, self.encoder.biased) if momentum_correction else spec
+        self.momentum = LocalMomentum()
         self.pull_codec = pull_codec or os.environ.get("SHOAL_PULL_CODEC", "none")
         self.transport = transport or os.environ.get("SHOAL_TRANSPORT", "tcp")
         if self.transport not in TRANSPORTS:
@@ -126,6 +130,7 @@ class Trainer:
                                         self._launch_push) if overlap else None
         self._started = False
         self._initialise_or_pull()
+        self._follow_shards()
         self.staging.before_compute()
         self._started = True
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
@@ -174,6 +179,15 @@ class Trainer:
             self._pull_shard(shard)
 
         list(self._pool.map(one, self._clients))
+
+    def _follow_shards(self) -> None:
+        """Applies the momentum each shard's optimizer leaves to the workers (``worker_momentum``)."""
+        for shard, client in self._clients.items():
+            status = with_retries(lambda: client.status(), what=f"status of shard {shard}", deadline_s=60)
+            self.momentum.follow(shard, dict(status.optimizer.hparams))
+            if self.momentum.active(shard):
+                log.info("shard %d: momentum %.3g applied here, before compression (momentum correction)",
+                         shard, self.momentum.factors[shard])
 
     # ------------------------------------------------------------ training
 
@@ -275,12 +289,15 @@ class Trainer:
     def _push(self, shard: int, version: int, key_base: str, samples: int,
               batch: "BatchContext | None", ready=None) -> pb.PushReply:
         a, b = self.plan.ranges[shard]
-        if self.encoder.tag == "none":
+        if self.encoder.tag == "none" and not self.momentum.active(shard):
             grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory
         else:
             grad = self.flat_grads[a:b]                       # compressed where it lives (GPU or CPU)
             if ready is not None:
                 torch.cuda.current_stream(grad.device).wait_event(ready)
+            grad = self.momentum.apply(shard, grad)
+            if self.encoder.tag == "none":
+                grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
         sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples,
                          batch.header_fields() if batch is not None else {})
@@ -326,6 +343,7 @@ class Trainer:
         log.warning("shard %d lost its state (%s); --recovery fast: going on from %s", shard,
                     (exc.details() or "")[:100], "this worker's weights" if is_uninitialised(exc) else "its restore")
         self._held.pop(shard, None)
+        self.momentum.reset(shard)
         if is_uninitialised(exc):
             client.init(self.flat_weights[a:b].cpu(), self.optimizer)
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")

@@ -76,3 +76,32 @@ def test_top_k_into_plain_sgd_pulls_only_the_changed_weights_and_ends_equal(clus
     finally:
         for t in trainers:
             t.close()
+
+
+def test_the_shards_optimizer_decides_who_applies_the_momentum(cluster_factory):
+    c = cluster_factory(1, mode="async")
+    model = torch.nn.Linear(8, 4)
+    first = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1, momentum=0.9, compression="topk")
+    later = Trainer(torch.nn.Linear(8, 4), chief=c.chief_address, optimizer="sgd", lr=0.1, momentum=0.9)
+    try:
+        hparams = first._clients[0].status().optimizer.hparams
+        assert hparams["momentum"] == 0.0 and hparams["worker_momentum"] == pytest.approx(0.9)
+        assert first.momentum.active(0) and later.momentum.active(0)   # "none" follows the shard too
+        x = torch.randn(16, 8)
+        for t in (first, later):
+            t.zero_grad()
+            t.model(x).pow(2).mean().backward()
+            t.step()
+    finally:
+        first.close()
+        later.close()
+    c2 = cluster_factory(1, mode="async")
+    plain = Trainer(torch.nn.Linear(8, 4), chief=c2.chief_address, optimizer="sgd", lr=0.1, momentum=0.9)
+    joined = Trainer(torch.nn.Linear(8, 4), chief=c2.chief_address, optimizer="sgd", lr=0.1, momentum=0.9,
+                     compression="topk")
+    try:
+        assert plain._clients[0].status().optimizer.hparams["momentum"] == pytest.approx(0.9)
+        assert not joined.momentum.active(0)                 # the server keeps it: never applied twice
+    finally:
+        plain.close()
+        joined.close()
