@@ -55,7 +55,7 @@ class JobConfig:
 
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
     # worker_momentum: the momentum the workers apply before compressing (worker/momentum.py); the
-    # Trainer sets it, with momentum 0, when the codec is biased
+    # Trainer sets it, with momentum 0, when the codec is top-k
     "sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0, "dampening": 0.0, "nesterov": 0.0,
             "worker_momentum": 0.0},
     "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},

@@ -1,9 +1,9 @@
 """Momentum correction (Lin et al., "Deep Gradient Compression", ICLR 2018).
 
-With a biased codec (top-k, sign, int8) and error feedback, a server-side
-momentum sees each element's gradient late and in lumps: whatever a worker held
-back arrives in one push, and the server's velocity then carries that lump on
-for many steps. Momentum correction moves the velocity to the workers: each
+With a sparsifying codec (top-k) and error feedback, a server-side momentum
+sees each element's gradient late and in lumps: whatever a worker held back
+arrives in one push, and the server's velocity then carries that lump on for
+many steps. Momentum correction moves the velocity to the workers: each
 keeps ``u = m * u + g`` per shard and compresses ``u`` (error feedback adds what
 was held back); the server runs plain SGD. What the server applies then adds up
 to what momentum SGD would have applied, only later, and with SGD on the server
@@ -22,11 +22,14 @@ import torch
 from shoal.config import OptimizerSpec
 
 
-def server_optimizer(spec: OptimizerSpec, biased_codec: bool) -> OptimizerSpec:
-    """The optimizer a new shard gets: SGD's momentum moved to the workers when the codec is biased
-    (plain momentum only: no Nesterov, dampening or weight decay, which the server keeps)."""
+def server_optimizer(spec: OptimizerSpec, sparse_codec: bool) -> OptimizerSpec:
+    """The optimizer a new shard gets: SGD's momentum moved to the workers when the codec sparsifies
+    (plain momentum only: with Nesterov, dampening or weight decay the server keeps it).
+
+    Only for top-k: quantizers (int8, sign) send every element every step, so nothing arrives in
+    lumps, and sign compressing a velocity instead of a gradient measured worse (bench/RESULTS.md)."""
     h = dict(spec.hparams)
-    if (spec.name != "sgd" or not biased_codec or not h["momentum"] or h["nesterov"] or h["dampening"]
+    if (spec.name != "sgd" or not sparse_codec or not h["momentum"] or h["nesterov"] or h["dampening"]
             or h["weight_decay"] or h["worker_momentum"]):
         return spec
     return OptimizerSpec("sgd", {**h, "momentum": 0.0, "worker_momentum": h["momentum"]})

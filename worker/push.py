@@ -33,9 +33,9 @@ class GradientEncoder:
             self.tag = self._compressor.tag
 
     @property
-    def biased(self) -> bool:
-        """The codec drops information, so error feedback carries it over (int8, topk, sign)."""
-        return self._compressor is not None and self._compressor.feedback is not None
+    def sparse(self) -> bool:
+        """The codec sends a few elements a step and holds the rest back (top-k)."""
+        return self._compressor is not None and self._compressor.codec.sparse
 
     def encode(self, shard: int, grad: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int, str, bytes]]:
         """``[(offset, numel, tag, payload)]`` covering ``grad`` in chunks of about ``chunk_bytes`` (fp32)."""

@@ -93,7 +93,7 @@ class Trainer:
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
         spec = OptimizerSpec(optimizer, hparams)
         # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
-        self.optimizer = server_optimizer(spec, self.encoder.biased) if momentum_correction else spec
+        self.optimizer = server_optimizer(spec, self.encoder.sparse) if momentum_correction else spec
         self.momentum = LocalMomentum()
         self.pull_codec = pull_codec or os.environ.get("SHOAL_PULL_CODEC", "none")
         self.transport = transport or os.environ.get("SHOAL_TRANSPORT", "tcp")

@@ -10,21 +10,21 @@ from shoal.worker.momentum import LocalMomentum, server_optimizer
 SGD_M = OptimizerSpec("sgd", {"lr": 0.1, "momentum": 0.9})
 
 
-def test_biased_codecs_move_plain_sgd_momentum_to_the_workers():
-    moved = server_optimizer(SGD_M, biased_codec=True)
+def test_sparse_codecs_move_plain_sgd_momentum_to_the_workers():
+    moved = server_optimizer(SGD_M, sparse_codec=True)
     assert moved.hparams["momentum"] == 0.0 and moved.hparams["worker_momentum"] == 0.9
-    assert server_optimizer(SGD_M, biased_codec=False) == SGD_M
+    assert server_optimizer(SGD_M, sparse_codec=False) == SGD_M
     for other in (OptimizerSpec("sgd", {"lr": 0.1}), OptimizerSpec("adam", {"lr": 1e-3}),
                   OptimizerSpec("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": 1}),
                   OptimizerSpec("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4})):
-        assert server_optimizer(other, biased_codec=True) == other
+        assert server_optimizer(other, sparse_codec=True) == other
 
 
 def test_worker_momentum_into_server_sgd_takes_the_same_steps_as_server_momentum():
     grads = [torch.randn(257, generator=torch.Generator().manual_seed(i)) for i in range(20)]
     start = torch.randn(257, generator=torch.Generator().manual_seed(99))
     server = Shard(0, start, SGD_M, AsyncRule(), "fp")
-    moved = server_optimizer(SGD_M, biased_codec=True)
+    moved = server_optimizer(SGD_M, sparse_codec=True)
     split = Shard(0, start, moved, AsyncRule(), "fp")
     local = LocalMomentum()
     local.follow(0, dict(moved.hparams))
