@@ -78,7 +78,9 @@ class Trainer:
     (default ``$SHOAL_TRANSPORT`` or ``tcp``) carries pushes and pulls over the parameter
     servers' raw TCP data channel; ``grpc`` keeps them on gRPC. ``delta_pulls``: a pull over TCP
     says which version the worker holds, and the ps sends only the elements changed since when
-    that is much less (sparse updates: top-k pushes into SGD without momentum or weight decay).
+    that is much less (sparse updates: top-k pushes into server SGD without momentum or weight decay,
+    as with momentum correction). ``momentum_correction``: with top-k and SGD with momentum, a shard
+    this worker creates leaves the momentum to the workers (:mod:`shoal.worker.momentum`).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
