@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,20 @@ DIGITS = str(ROOT / "examples" / "digits.py")
 SHOAL = [sys.executable, "-m", "shoal.cli"]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_local(tmp_path: Path, *args: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Starts ``shoal local`` on the digits example; logs to tmp_path/local.log."""
+    """Starts ``shoal local`` on the digits example; logs to tmp_path/local.log.
+
+    Ctrl-C works in it however the tests were started: a shell that runs them in the background
+    (``make test &``) passes SIGINT down ignored, and ``shoal local`` rightly keeps it ignored.
+    """
     log = open(tmp_path / "local.log", "w")
     return subprocess.Popen([*SHOAL, "local", "--run-dir", str(tmp_path / "run"),
                              "--summary", str(tmp_path / "summary.json"), *args, DIGITS, *script_args],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, preexec_fn=_default_sigint)
 
 
 def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 240) -> dict:

@@ -31,7 +31,12 @@ def test_ctrl_c_stops_every_process(tmp_path):
     children = pids(tmp_path)
     assert len(children) == 5
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 130
+    try:
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:          # the failure is reported; the 200-epoch job must not outlive it
+            proc.terminate()
+            proc.wait(30)
     wait_until(lambda: not any(alive(p) for p in children.values()), timeout_s=15, what="children to exit")
 
 
