@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 
@@ -39,7 +39,7 @@ def went_back(exc: grpc.RpcError) -> bool:
 
 
 class ShardRoutes:
-    """``routes[shard]`` is the client of the shard's primary; :meth:`reroute` replaces it after a failure.
+    """``clients[shard]`` is the client of the shard's primary; :meth:`reroute` replaces it after a failure.
 
     ``clients`` is one dict for the routes' whole life (a reroute swaps an entry), so holders of it see
     every change. ``failover_timeout_s`` bounds the wait for a new primary.
@@ -55,15 +55,6 @@ class ShardRoutes:
         self._lock = threading.Lock()
         self.failover_timeout_s = 120.0
         self.failovers = 0
-
-    def __getitem__(self, shard: int) -> ShardClient:
-        return self.clients[shard]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.clients)
-
-    def __len__(self) -> int:
-        return len(self.clients)
 
     def reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
         """The shard's server failed or is no longer its primary: follow the view to the one that is.
