@@ -14,13 +14,14 @@ none       n x f32                                                    4n
 fp16       n x f16 (finite values saturate at +-65504)                2n
 bf16       n x bf16 (round to nearest even)                           2n
 int8       m x f32 scale (absmax/127), n x i8 in [-127, 127]          4m + n
-topk       k x i32 index (strictly increasing), k x f32 value         8k
+topk       B x u32 count, k x u16 in-block index, k x f32             4B + 6k
 sign       m x f32 scale (mean |x|), ceil(n/8) bytes of bits, LSB     4m + ceil(n/8)
            first, 1 = sign bit clear, unused bits 0
 =========  =========================================================  ===============
 
 ``topk`` sends ``k = ceil(ratio * n)`` (at least 1; ``ratio`` defaults to
-0.01) and decodes any ``k <= n``. With lz4 the payload is wrapped in one LZ4
+0.01) and decodes any ``k <= n``; ``B = ceil(n / 65536)`` index blocks, indices
+strictly increasing (``shoal/codecs/sparse.py``). With lz4 the payload is wrapped in one LZ4
 frame with content size and checksum. ``int8``, ``topk`` and ``sign`` are
 biased, so :class:`Compressor` applies error feedback to them by default.
 """

@@ -235,3 +235,35 @@ def test_status_shows_members_shards_and_ledger(cluster_factory, capsys):
     assert [s["ledger"] for s in snap["shards"]] == [[{"epoch": 0, "batches": 4, "max_count": 1}]] * 2
     assert snap["shards"][0]["version"] == 4
     t.close()
+
+
+class _HalfUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 2)
+        self.unused = torch.nn.Linear(4, 2)      # gets a gradient in the first step only
+
+    def forward(self, x, both=False):
+        return self.used(x) + (self.unused(x) if both else 0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_parameter_without_a_gradient_this_step_pushes_zeros(cluster_factory, overlap):
+    """zero_grad clears gradients to None: a parameter backward() skips must push zeros, not last
+    step's gradient, whether its shard leaves from a hook or from step()."""
+    c = cluster_factory(1, mode="async")
+    model = _HalfUsed()
+    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1, overlap=overlap)
+    try:
+        x = torch.randn(8, 4)
+        t.zero_grad()
+        model(x, both=True).pow(2).mean().backward()
+        t.step()
+        after_first = model.unused.weight.detach().clone()
+        for _ in range(2):
+            t.zero_grad()
+            model(x).pow(2).mean().backward()
+            t.step()
+        assert torch.equal(model.unused.weight.detach(), after_first)
+    finally:
+        t.close()
