@@ -81,7 +81,11 @@ def grpc_errors(method: Callable) -> Callable:
             return method(self, request, context)
         except ShoalError as exc:
             context.abort(exc.code, str(exc))
-        except Exception:  # noqa: BLE001 - the boundary: log and report, never crash the server
+        except Exception as exc:  # noqa: BLE001 - the boundary: log and report, never crash the server
+            if isinstance(exc, grpc.RpcError) and not context.is_active():
+                # reading a request stream whose caller cancelled or went away: nobody is left to answer
+                log.info("%s: the caller went away mid-stream", method.__name__)
+                return None
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed; see the server log")
 
