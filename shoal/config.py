@@ -54,10 +54,11 @@ class JobConfig:
 
 
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
-    # worker_momentum: the momentum the workers apply before compressing (worker/momentum.py); the
-    # Trainer sets it, with momentum 0, when the codec is top-k
+    # worker_*: what the workers apply before compressing (worker/momentum.py), set by the Trainer
+    # when the codec is top-k: a momentum (worker_momentum, with momentum 0), or Adam's direction
+    # (worker_beta2 > 0, with worker_momentum its beta1 and worker_eps its eps)
     "sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0, "dampening": 0.0, "nesterov": 0.0,
-            "worker_momentum": 0.0},
+            "worker_momentum": 0.0, "worker_beta2": 0.0, "worker_eps": 1e-8},
     "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
 }

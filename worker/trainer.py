@@ -79,8 +79,9 @@ class Trainer:
     servers' raw TCP data channel; ``grpc`` keeps them on gRPC. ``delta_pulls``: a pull over TCP
     says which version the worker holds, and the ps sends only the elements changed since when
     that is much less (sparse updates: top-k pushes into server SGD without momentum or weight decay,
-    as with momentum correction). ``momentum_correction``: with top-k and SGD with momentum, a shard
-    this worker creates leaves the momentum to the workers (:mod:`shoal.worker.momentum`).
+    as with momentum correction). ``momentum_correction``: with top-k and SGD with momentum, Adam
+    or AdamW, a shard this worker creates leaves the momentum (or Adam's moments) to the workers
+    (:mod:`shoal.worker.momentum`).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
@@ -183,13 +184,13 @@ class Trainer:
         list(self._pool.map(one, self._clients))
 
     def _follow_shards(self) -> None:
-        """Applies the momentum each shard's optimizer leaves to the workers (``worker_momentum``)."""
+        """Applies what each shard's optimizer leaves to the workers (``worker_momentum``, ``worker_beta2``)."""
         for shard, client in self._clients.items():
             status = with_retries(lambda: client.status(), what=f"status of shard {shard}", deadline_s=60)
             self.momentum.follow(shard, dict(status.optimizer.hparams))
             if self.momentum.active(shard):
-                log.info("shard %d: momentum %.3g applied here, before compression (momentum correction)",
-                         shard, self.momentum.factors[shard])
+                log.info("shard %d: %s applied here, before compression (momentum correction)",
+                         shard, self.momentum.describe(shard))
 
     # ------------------------------------------------------------ training
 

@@ -105,3 +105,27 @@ def test_the_shards_optimizer_decides_who_applies_the_momentum(cluster_factory):
     finally:
         plain.close()
         joined.close()
+
+
+def test_with_top_k_and_adam_the_workers_hold_adams_moments(cluster_factory):
+    c = cluster_factory(1, mode="async")
+    first = Trainer(torch.nn.Linear(8, 4), chief=c.chief_address, optimizer="adam", lr=0.01, compression="topk")
+    later = Trainer(torch.nn.Linear(8, 4), chief=c.chief_address, optimizer="adam", lr=0.01)
+    try:
+        opt = first._clients[0].status().optimizer
+        assert opt.name == "sgd" and opt.hparams["lr"] == pytest.approx(0.01)
+        assert opt.hparams["worker_beta2"] == pytest.approx(0.999)
+        assert first.momentum.adam(0) and later.momentum.adam(0)      # "none" follows the shard too
+        x = torch.randn(16, 8)
+        before = [p.detach().clone() for p in later.model.parameters()]
+        for t in (first, later):
+            t.zero_grad()
+            t.model(x).pow(2).mean().backward()
+            t.step()
+        later.pull()
+        # the first step of Adam moves each weight by about lr: the direction is g / |g|
+        moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(later.model.parameters(), before)])
+        assert 0.005 < moved.max() <= 0.02 + 1e-6
+    finally:
+        first.close()
+        later.close()
