@@ -9,6 +9,7 @@ run: a mean over seeds (each seed also changes the split and the init) is what
 tells a codec's effect from that noise.
 
     .venv/bin/python bench/compression.py [--codecs none fp16 bf16 int8 topk sign topk+lz4] [--seeds 0 1 2]
+        [--server-optimizer]
 """
 from __future__ import annotations
 
@@ -27,17 +28,25 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--script-args", default="", help="more arguments for examples/digits.py, e.g. "
                                                       "'--optimizer sgd --lr 0.05 --momentum 0.9'")
+    p.add_argument("--server-optimizer", action="store_true",
+                   help="also run each top-k codec with its optimizer's state kept on the server "
+                        "(--no-momentum-correction), as case '<codec> server-optimizer'")
     args = p.parse_args()
+    cases = [(codec, []) for codec in args.codecs]
+    if args.server_optimizer:
+        cases += [(f"{codec} server-optimizer", ["--no-momentum-correction"])
+                  for codec in args.codecs if codec.startswith("topk")]
     base = None
-    for codec in args.codecs:
+    for case, extra in cases:
+        codec = case.split()[0]
         runs = [run_local(["--ps", "2", "--workers", "2", "--mode", args.mode, "--compression", codec],
-                          ["--epochs", str(args.epochs), "--seed", str(seed), *args.script_args.split()])
+                          ["--epochs", str(args.epochs), "--seed", str(seed), *args.script_args.split(), *extra])
                 for seed in args.seeds]
         per_step = sum(s["bytes_pushed"] for s in runs) / sum(s["steps"] for s in runs)
         accuracy = statistics.mean(s["test_accuracy"] for s in runs)
         if base is None:
             base = (per_step, accuracy)
-        print(json.dumps({"case": codec, "mode": args.mode, "script_args": args.script_args, "seeds": args.seeds,
+        print(json.dumps({"case": case, "mode": args.mode, "script_args": args.script_args, "seeds": args.seeds,
                           "steps": [s["steps"] for s in runs], "push_bytes_per_step": int(per_step),
                           "reduction_vs_none": round(base[0] / per_step, 1),
                           "test_accuracy": round(accuracy, 4),

@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=1, help="hidden layers")
     p.add_argument("--compression", default=None, help="gradient codec (default: $SHOAL_COMPRESSION or none)")
+    p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=True,
+                   help="with top-k, the workers apply the momentum or Adam's moments before compressing")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds every worker sleeps per step")
     p.add_argument("--slow-worker", type=int, default=-1, help="index of a worker made slower (shoal local)")
     p.add_argument("--slow-delay", type=float, default=0.0, help="extra seconds per step for --slow-worker")
@@ -92,7 +94,8 @@ def main() -> None:
     if step_log:
         step_log.write(f"# trainer {time.time():.6f}\n")   # when this worker starts joining
     hparams = {"momentum": args.momentum} if args.optimizer == "sgd" else {}
-    trainer = Trainer(model, optimizer=args.optimizer, lr=args.lr, compression=args.compression, **hparams)
+    trainer = Trainer(model, optimizer=args.optimizer, lr=args.lr, compression=args.compression,
+                      momentum_correction=args.momentum_correction, **hparams)
     for step, (xb, yb) in enumerate(trainer.batches((xtr, ytr), batch_size=args.batch_size,
                                                      epochs=args.epochs, seed=args.seed)):
         trainer.zero_grad()

@@ -24,7 +24,8 @@ the server runs SGD at Adam's learning rate (with AdamW's decoupled weight
 decay as SGD's, which is exactly AdamW's). The shard records ``worker_beta2``
 (> 0), with ``worker_momentum`` as beta1 and ``worker_eps``. Adam's coupled
 (L2) weight decay needs the weights in the gradient, so with it the server
-keeps Adam.
+keeps Adam. The cost is worker memory: three buffers the size of the model
+(the two moments and the direction), where momentum needs one.
 """
 from __future__ import annotations
 
