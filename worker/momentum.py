@@ -62,10 +62,6 @@ class LocalMomentum:
         self._velocity: dict[int, torch.Tensor] = {}
         self._adam: dict[int, _AdamState] = {}
 
-    @property
-    def factors(self) -> dict[int, float]:
-        return {shard: s[0] for shard, s in self.settings.items()}
-
     def follow(self, shard: int, hparams: dict[str, float]) -> None:
         """Takes the shard's setting (its optimizer's hyper-parameters); a change restarts the state."""
         setting = (float(hparams.get("worker_momentum", 0.0)), float(hparams.get("worker_beta2", 0.0)),
@@ -75,10 +71,11 @@ class LocalMomentum:
         self.settings[shard] = setting
 
     def active(self, shard: int) -> bool:
-        return self.settings.get(shard, (0.0, 0.0, 0.0))[0] > 0.0
+        momentum, beta2, _ = self.settings.get(shard, (0.0, 0.0, 0.0))
+        return momentum > 0.0 or beta2 > 0.0
 
     def adam(self, shard: int) -> bool:
-        return self.active(shard) and self.settings[shard][1] > 0.0
+        return self.settings.get(shard, (0.0, 0.0, 0.0))[1] > 0.0
 
     def describe(self, shard: int) -> str:
         m, b2, eps = self.settings[shard]

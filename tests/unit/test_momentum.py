@@ -95,3 +95,11 @@ def test_a_restart_of_adams_moments_starts_bias_correction_over():
     local.apply(0, -g)
     local.reset(0)
     torch.testing.assert_close(local.apply(0, g), first)
+
+
+def test_adam_without_a_first_moment_still_normalises_on_the_workers():
+    """beta1 0 (RMSprop-like): no velocity, but the direction is still Adam's, never the raw gradient."""
+    local = LocalMomentum()
+    local.follow(0, dict(server_optimizer(OptimizerSpec("adam", {"beta1": 0.0}), sparse_codec=True).hparams))
+    assert local.active(0) and local.adam(0)
+    torch.testing.assert_close(local.apply(0, torch.full((3,), -4.0)), -torch.ones(3), rtol=1e-5, atol=0)
