@@ -7,6 +7,7 @@ import signal
 import pytest
 from localrun import finish, job_steps, pids, start_local
 
+from shoal.ps.checkpoint import list_checkpoints
 from shoal.testing import wait_until
 
 pytestmark = pytest.mark.system
@@ -27,7 +28,9 @@ def test_consistent_recovery_rolls_the_whole_job_back_to_the_newest_checkpoint(t
     proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "sync", "--lease-seconds", "1.5",
                        "--restart-backoff", "0.3", "--checkpoint-dir", str(tmp_path / "ckpt"),
                        "--checkpoint-interval", "40", script_args=("--epochs", "8"))
-    under_way(tmp_path, 120)                       # a few checkpoints are behind us
+    under_way(tmp_path, 120)
+    # a checkpoint's fsyncs may take seconds on a slow disk: kill once one is committed, not after so many steps
+    wait_until(lambda: list_checkpoints(tmp_path / "ckpt"), timeout_s=60, what="a committed checkpoint")
     kill_every_ps(tmp_path)
     summary = finish(proc, tmp_path)
     log = (tmp_path / "local.log").read_text()
