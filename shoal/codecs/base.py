@@ -68,6 +68,13 @@ class Codec(abc.ABC):
         payload, approx = self.encode_with_approx(x)
         return payload, x.sub_(approx)
 
+    def encode_feedback(self, grad: torch.Tensor, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+        """``encode_residual_(grad + residual)`` (``residual`` None: zero) in new storage: neither input
+        changes, so a failed encode leaves the old residual as it was. Codecs that can fuse the sum
+        into their encoding override it."""
+        corrected = grad.clone() if residual is None else grad + residual.to(grad.device)
+        return self.encode_residual_(corrected)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

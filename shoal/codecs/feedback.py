@@ -38,10 +38,8 @@ class ErrorFeedback:
             log.warning("error feedback for %r: gradient of %d elements after %d, dropping the residual",
                         key, grad.numel(), residual.numel())
             residual = None
-        # A new tensor either way: the encoder turns it into the next residual in place, and on a
-        # failure the old residual is kept as it was.
-        corrected = grad.clone() if residual is None else grad + residual.to(grad.device)
-        payload, self._residuals[key] = self.codec.encode_residual_(corrected)
+        # the new residual is new storage: on a failure the old one is kept as it was
+        payload, self._residuals[key] = self.codec.encode_feedback(grad, residual)
         return payload
 
     def residual(self, key: Hashable) -> torch.Tensor | None:

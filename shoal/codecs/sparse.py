@@ -20,7 +20,9 @@ pass, a compare and ``flatnonzero`` find those (in increasing order), and a
 partition of their magnitudes finds the k-th largest, so the chosen indices
 come out sorted with no sort (falling back to a full ``torch.topk`` when fewer
 than ``k`` pass). For 1% of 4M elements on one core: 6 ms; a full
-``torch.topk`` takes 51.
+``torch.topk`` takes 51. With error feedback the sum ``gradient + residual``
+and the compare run together, one cache-sized chunk at a time
+(:func:`corrected_topk_cpu`): 9.6 ms for both where they took 11.9 apart.
 """
 from __future__ import annotations
 
@@ -38,19 +40,69 @@ BLOCK = 1 << BLOCK_BITS  # elements per block of block-local uint16 indices
 _SAMPLE_STRIDE = 64      # one sampled element per this many
 _MIN_SAMPLED_NUMEL = 1 << 16  # below this a full topk is already cheap
 _MARGIN = 1.3            # candidates aimed for, as a multiple of k
+_CHUNK = 1 << 16         # elements error feedback sums and compares at a time (256 kB: in L2)
+_NOT_CHOSEN = object()   # _encode's "no indices chosen yet"
 
 
 def sorted_topk_cpu(x: np.ndarray, k: int) -> np.ndarray | None:
     """Increasing indices (int64) of the ``k`` largest-magnitude entries of the 1-D fp32 ``x``, or None
     where a full sort is the better (or the only) way: small tensors, large ``k``, a sample that missed."""
     n = len(x)
-    if n < _MIN_SAMPLED_NUMEL or k * 8 > n or k == 0:
+    if not _sampled(n, k):
         return None
-    sample = np.abs(x[::_SAMPLE_STRIDE])
-    rank = min(len(sample), math.ceil(k * len(sample) / n * _MARGIN) + 16)
-    threshold = np.partition(sample, len(sample) - rank)[len(sample) - rank]
-    candidates = np.flatnonzero(np.abs(x) >= threshold)
-    if len(candidates) < k or len(candidates) > n // 4:
+    threshold = _threshold(np.abs(x[::_SAMPLE_STRIDE]), k, n)
+    return _kth_largest(x, np.flatnonzero(np.abs(x) >= threshold), k)
+
+
+def corrected_topk_cpu(grad: np.ndarray, residual: np.ndarray | None, k: int, out: np.ndarray) -> np.ndarray | None:
+    """Writes ``grad + residual`` (``residual`` None: zero) into ``out`` and returns what
+    :func:`sorted_topk_cpu` would for it (``out`` is complete either way).
+
+    Error feedback's sum and the selection's magnitude compare in one pass over memory: each
+    chunk of ``_CHUNK`` elements is summed, and its magnitudes compared, while it is in cache,
+    where the two apart read and write the whole gradient four times over."""
+    n = len(grad)
+    if not _sampled(n, k):
+        if residual is None:
+            out[:] = grad
+        else:
+            np.add(grad, residual, out=out)
+        return None
+    sample = grad[::_SAMPLE_STRIDE] if residual is None else grad[::_SAMPLE_STRIDE] + residual[::_SAMPLE_STRIDE]
+    threshold = _threshold(np.abs(sample), k, n)
+    mags, passed = np.empty(_CHUNK, dtype=np.float32), np.empty(_CHUNK, dtype=bool)
+    parts = []
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        chunk = out[start:stop]
+        if residual is None:
+            chunk[:] = grad[start:stop]
+        else:
+            np.add(grad[start:stop], residual[start:stop], out=chunk)
+        m = passed[:stop - start]
+        np.greater_equal(np.abs(chunk, out=mags[:stop - start]), threshold, out=m)
+        hits = np.flatnonzero(m)
+        if len(hits):
+            parts.append(hits + start)
+    candidates = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    return _kth_largest(out, candidates, k)
+
+
+def _sampled(n: int, k: int) -> bool:
+    """Whether a sampled threshold pays: large enough tensors, small enough ``k``."""
+    return n >= _MIN_SAMPLED_NUMEL and 0 < k and k * 8 <= n
+
+
+def _threshold(sample_mags: np.ndarray, k: int, n: int) -> np.float32:
+    """A magnitude about ``_MARGIN * k`` of the ``n`` elements reach, estimated from a sample's."""
+    rank = min(len(sample_mags), math.ceil(k * len(sample_mags) / n * _MARGIN) + 16)
+    return np.partition(sample_mags, len(sample_mags) - rank)[len(sample_mags) - rank]
+
+
+def _kth_largest(x: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray | None:
+    """The ``k`` increasing ``candidates`` of largest magnitude in ``x`` (ties: the first ones), or None
+    when the threshold let fewer than ``k`` through, or so many that a full sort is as cheap."""
+    if len(candidates) < k or len(candidates) > len(x) // 4:
         return None
     mags = np.abs(x[candidates])
     kth = np.partition(mags, len(mags) - k)[len(mags) - k]
@@ -98,9 +150,22 @@ class TopKCodec(Codec):
         payload, idx, _ = self._encode(x)
         return payload, x.index_fill_(0, idx, 0.0)
 
-    def _encode(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    def encode_feedback(self, grad: torch.Tensor, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+        """On the CPU, the sum and the selection in one pass (:func:`corrected_topk_cpu`)."""
+        grad = check_input(grad)
+        if grad.is_cuda or (residual is not None and residual.shape != grad.shape):
+            return super().encode_feedback(grad, residual)
+        corrected = torch.empty_like(grad)
+        found = corrected_topk_cpu(grad.numpy(), None if residual is None else residual.cpu().numpy(),
+                                   self.k(grad.numel()), corrected.numpy())
+        payload, idx, _ = self._encode(corrected, found=found)
+        return payload, corrected.index_fill_(0, idx, 0.0)
+
+    def _encode(self, x: torch.Tensor, found: object = _NOT_CHOSEN) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+        """``found``: the sorted indices if already chosen, None if the sampled selection gave up."""
         k = self.k(x.numel())
-        found = None if x.is_cuda else sorted_topk_cpu(x.numpy(), k)
+        if found is _NOT_CHOSEN:
+            found = None if x.is_cuda else sorted_topk_cpu(x.numpy(), k)
         idx = torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values if found is None else \
             torch.from_numpy(found)
         values = torch.index_select(x, 0, idx)

@@ -107,3 +107,34 @@ def test_failed_encode_keeps_residual():
     with pytest.raises(CodecError):
         ef.encode("k", torch.full((33,), float("nan")))
     assert torch.equal(ef.residual("k"), before)
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.001, 0.2])
+def test_top_k_fuses_the_sum_into_its_selection_with_the_same_result(ratio):
+    """Large blocks take the one-pass CPU path (sum and compare per cache-sized chunk; 0.2 sends too
+    many for a sampled threshold): the payload and the residual equal summing first, then encoding."""
+    n = 300_007                                            # not a multiple of the chunk
+    codec = get_codec("topk", ratio=ratio)
+    gen = torch.Generator().manual_seed(5)
+    grad, residual = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 3
+    kept_grad, kept_residual = grad.clone(), residual.clone()
+    for r in (None, residual):
+        payload, left = codec.encode_feedback(grad, r)
+        want_payload, want_left = codec.encode_residual_(grad.clone() if r is None else grad + r)
+        assert payload == want_payload and torch.equal(left, want_left)
+        assert int((left == 0).sum()) >= codec.k(n)
+    assert torch.equal(grad, kept_grad) and torch.equal(residual, kept_residual)   # inputs untouched
+
+
+def test_large_blocks_sent_plus_residual_add_up_to_what_was_pushed():
+    n = 200_000
+    comp = Compressor("topk", ratio=0.01)
+    gen = torch.Generator().manual_seed(6)
+    true = torch.zeros(n, dtype=torch.float64)
+    sent = torch.zeros(n, dtype=torch.float64)
+    for _ in range(5):
+        grad = torch.randn(n, generator=gen)
+        true += grad
+        sent += comp.decompress(comp.compress("block", grad), n)
+    residual = comp.feedback.residual("block").double()
+    torch.testing.assert_close(sent + residual, true, rtol=0, atol=1e-5)
