@@ -21,18 +21,26 @@ def test_sparse_codecs_move_plain_sgd_momentum_to_the_workers():
         assert server_optimizer(other, sparse_codec=True) == other
 
 
-def test_worker_momentum_into_server_sgd_takes_the_same_steps_as_server_momentum():
-    grads = [torch.randn(257, generator=torch.Generator().manual_seed(i)) for i in range(20)]
+def both_ways(spec: OptimizerSpec, steps: int) -> tuple[torch.Tensor, torch.Tensor, LocalMomentum]:
+    """The same gradients through ``spec`` on a shard, and through the workers' share of it into the
+    shard's share: ``(server-side weights, split weights, the worker's state)``."""
+    grads = [torch.randn(257, generator=torch.Generator().manual_seed(i)) for i in range(steps)]
     start = torch.randn(257, generator=torch.Generator().manual_seed(99))
-    server = Shard(0, start, SGD_M, AsyncRule(), "fp")
-    moved = server_optimizer(SGD_M, sparse_codec=True)
+    server = Shard(0, start, spec, AsyncRule(), "fp")
+    moved = server_optimizer(spec, sparse_codec=True)
     split = Shard(0, start, moved, AsyncRule(), "fp")
     local = LocalMomentum()
     local.follow(0, dict(moved.hparams))
     for i, g in enumerate(grads):
         server.push("w", i, g.clone(), key=f"a{i}")
         split.push("w", i, local.apply(0, g.clone()).clone(), key=f"b{i}")
-    assert torch.equal(server.values(), split.values())
+    assert not torch.equal(server.values(), start)
+    return server.values(), split.values(), local
+
+
+def test_worker_momentum_into_server_sgd_takes_the_same_steps_as_server_momentum():
+    server, split, _ = both_ways(SGD_M, 20)
+    assert torch.equal(server, split)
 
 
 def test_a_changed_setting_restarts_the_velocity_and_zero_leaves_the_gradient_alone():
@@ -71,19 +79,9 @@ def test_sparse_codecs_move_adams_moments_to_the_workers():
 @pytest.mark.parametrize("spec", [ADAM, ADAMW], ids=["adam", "adamw"])
 def test_worker_adam_into_server_sgd_takes_adams_steps(spec):
     """Adam's direction from the worker, scaled by the server's SGD, gives torch's Adam (AdamW)."""
-    grads = [torch.randn(257, generator=torch.Generator().manual_seed(i)) for i in range(30)]
-    start = torch.randn(257, generator=torch.Generator().manual_seed(99))
-    server = Shard(0, start, spec, AsyncRule(), "fp")
-    moved = server_optimizer(spec, sparse_codec=True)
-    split = Shard(0, start, moved, AsyncRule(), "fp")
-    local = LocalMomentum()
-    local.follow(0, dict(moved.hparams))
+    server, split, local = both_ways(spec, 30)
     assert local.adam(0) and "Adam" in local.describe(0)
-    for i, g in enumerate(grads):
-        server.push("w", i, g.clone(), key=f"a{i}")
-        split.push("w", i, local.apply(0, g.clone()).clone(), key=f"b{i}")
-    assert not torch.equal(server.values(), start)
-    torch.testing.assert_close(split.values(), server.values(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(split, server, rtol=1e-5, atol=1e-6)
 
 
 def test_a_restart_of_adams_moments_starts_bias_correction_over():
