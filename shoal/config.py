@@ -6,6 +6,7 @@ variables all map onto these classes; nothing else passes settings around.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,10 +80,27 @@ class OptimizerSpec:
         if bad:
             raise InvalidArgument(f"optimizer {self.name!r} has no hyper-parameter {', '.join(bad)}; "
                                   f"known: {', '.join(sorted(known))}")
-        merged = {**known, **{k: float(v) for k, v in self.hparams.items()}}
+        try:
+            merged = {**known, **{k: float(v) for k, v in self.hparams.items()}}
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"optimizer {self.name!r}: hyper-parameters must be numbers ({exc})") from None
         if not merged["lr"] > 0:
             raise InvalidArgument(f"learning rate must be > 0, got {merged['lr']}")
+        for key, (low, high) in _HPARAM_RANGES.items():
+            value = merged.get(key)
+            if value is not None and not (low <= value < high):
+                raise InvalidArgument(f"optimizer {self.name!r}: {key} must be in [{low:g}, {high:g}), got {value:g}")
         object.__setattr__(self, "hparams", merged)
+
+
+# [low, high) of the hyper-parameters torch.optim checks (and the workers' shares of them); a value
+# out of range is the worker's clear error instead of a failed Init on the server (or, for the
+# workers' shares, a silent divergence)
+_HPARAM_RANGES: dict[str, tuple[float, float]] = {
+    "momentum": (0.0, math.inf), "dampening": (0.0, math.inf), "weight_decay": (0.0, math.inf),
+    "nesterov": (0.0, 2.0), "beta1": (0.0, 1.0), "beta2": (0.0, 1.0), "eps": (0.0, math.inf),
+    "worker_momentum": (0.0, math.inf), "worker_beta2": (0.0, 1.0), "worker_eps": (0.0, math.inf),
+}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

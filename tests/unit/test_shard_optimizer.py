@@ -1,4 +1,6 @@
 """The shard's server-side optimizers give what torch.optim gives on the whole model."""
+import re
+
 import pytest
 import torch
 
@@ -48,3 +50,18 @@ def test_bad_optimizer_settings_are_clear_errors():
         OptimizerSpec("adam", {"betas": 0.9})
     with pytest.raises(ValueError, match="learning rate must be > 0, got -1.0"):
         OptimizerSpec("sgd", {"lr": -1})
+
+
+@pytest.mark.parametrize("name, hparams, message", [
+    ("adam", {"beta1": 1.5}, "beta1 must be in [0, 1), got 1.5"),
+    ("adamw", {"beta2": -0.1}, "beta2 must be in [0, 1), got -0.1"),
+    ("adam", {"eps": float("nan")}, "eps must be in [0, inf), got nan"),
+    ("sgd", {"momentum": -0.9}, "momentum must be in [0, inf), got -0.9"),
+    ("sgd", {"worker_beta2": 1.0}, "worker_beta2 must be in [0, 1), got 1"),
+    ("sgd", {"lr": "fast"}, "hyper-parameters must be numbers"),
+])
+def test_out_of_range_hyper_parameters_are_refused_where_they_are_given(name, hparams, message):
+    """On the worker, before anything is sent: the server would fail its Init, or (for the workers'
+    share of an optimizer) nobody would, and training would diverge."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OptimizerSpec(name, hparams)
