@@ -48,12 +48,13 @@ from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.ps.checkpoint import Checkpoint, load_latest
-from shoal.ps.checkpoint_store import CheckpointWriter, ckpt_dir_name
+from shoal.checkpoint import Checkpoint, load_latest
+from shoal.checkpoint_store import CheckpointWriter, ckpt_dir_name
 from shoal.rpc import open_channel
 
 if TYPE_CHECKING:
-    from shoal.chief.state import ChiefState, Route
+    from shoal.chief.state import ChiefState
+    from shoal.view import Route
 
 log = logging.getLogger(__name__)
 

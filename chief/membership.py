@@ -24,50 +24,13 @@ no watch open for ``lease / 6`` ends it then (:meth:`Membership.expire`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from shoal.errors import InvalidArgument, NotFound
+from shoal.members import Counters, Member, MemberState, Role
 
 log = logging.getLogger(__name__)
-
-
-class Role(str, enum.Enum):
-    WORKER = "worker"
-    PS = "ps"
-
-
-class MemberState(str, enum.Enum):
-    ALIVE = "alive"
-    IDLE = "idle"
-    LEFT = "left"
-    EXPIRED = "expired"
-
-
-@dataclass
-class Counters:
-    steps: int = 0
-    samples: int = 0
-    bytes_pushed: int = 0
-    bytes_pulled: int = 0
-
-
-@dataclass
-class Member:
-    member_id: str
-    role: Role
-    address: str
-    host: str
-    joined_at: float
-    lease_until: float
-    state: MemberState = MemberState.ALIVE
-    counters: Counters = field(default_factory=Counters)
-
-    @property
-    def live(self) -> bool:
-        return self.state in (MemberState.ALIVE, MemberState.IDLE)
 
 
 class Membership:

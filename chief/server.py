@@ -9,10 +9,10 @@ import time
 
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError
-from shoal.chief.membership import Role
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
 from shoal.config import JobConfig
+from shoal.members import Role
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import create_server, set_serving
 

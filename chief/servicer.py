@@ -15,10 +15,10 @@ import time
 from typing import Iterator
 
 from shoal.chief.journal import Journal, JournalError
-from shoal.chief.membership import Role
 from shoal.chief.state import ChiefState
 from shoal import convert
 from shoal.errors import InvalidArgument, Unavailable
+from shoal.members import Role
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors, probe

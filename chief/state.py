@@ -9,41 +9,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from shoal import tokens
-from shoal.chief.membership import Counters, Member, Membership, MemberState, Role
+from shoal.chief.membership import Membership
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, TensorSpec
+from shoal.members import Counters, Member, MemberState, Role
+from shoal.view import Route, View
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1   # of ChiefState.to_dict; bump on incompatible changes
-
-
-@dataclass(frozen=True)
-class Route:
-    shard: int
-    member_id: str
-    address: str
-    backup_id: str = ""
-    backup_address: str = ""
-
-
-@dataclass(frozen=True)
-class View:
-    epoch: int
-    members: tuple[Member, ...]
-    routes: tuple[Route, ...]
-    ready: bool
-    job: JobConfig
-    fingerprint: str
-    completed_epochs: int = 0
-    stragglers: frozenset[str] = frozenset()
-    step_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 class ChiefState:

@@ -16,41 +16,11 @@ import collections
 import dataclasses
 import logging
 import random
-from dataclasses import dataclass
 
+from shoal.dataset import DatasetSpec, Task
 from shoal.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    size: int
-    batch_size: int
-    epochs: int = 1
-    batches_per_task: int = 4
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("size", "batch_size", "epochs", "batches_per_task"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"dataset {name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return -(-self.size // self.batch_size)
-
-    def batch_starts(self) -> range:
-        return range(0, self.size, self.batch_size)
-
-
-@dataclass(frozen=True)
-class Task:
-    task_id: int
-    epoch: int
-    start: int
-    stop: int
-    attempt: int = 0
 
 
 class TaskQueue:

@@ -16,8 +16,8 @@ from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.ps.checkpoint import open_checkpoint
-from shoal.ps.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
+from shoal.checkpoint import open_checkpoint
+from shoal.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
 from shoal.ps.consistency import rule_for
 from shoal.ps.host import ShardHost
 from shoal.ps.shard import Shard

@@ -31,7 +31,7 @@ import torch
 from shoal import frames, tcp_client
 from shoal.errors import Unavailable
 from shoal.proto import shoal_pb2 as pb
-from shoal.ps.checkpoint_store import ShardState
+from shoal.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
 from shoal.ps.shard import Shard, Update
 from shoal.rpc import open_channel

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from shoal.ps.checkpoint_servicer import ShardControlServicer, restore_shard
-from shoal.ps.optim import warm_up
+from shoal.optim import warm_up
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer, StatusServicer
 from shoal.ps.tcp_server import DataChannelServer

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from shoal.ps.changes import ChangeLog
-from shoal.ps.checkpoint_store import ShardState
+from shoal.checkpoint_store import ShardState
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
-from shoal.ps.optim import build_optimizer
+from shoal.optim import build_optimizer
 from shoal.config import OptimizerSpec
 from shoal.wire import encode_weights, pull_itemsize
 from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable

@@ -12,8 +12,8 @@ from typing import Callable
 
 import grpc
 
-from shoal.chief.membership import Counters
 from shoal import convert
+from shoal.members import Counters
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import RETRYABLE, open_channel, with_retries

@@ -4,12 +4,12 @@ Core state never sees a protobuf message; servicers and clients call these.
 """
 from __future__ import annotations
 
-from shoal.chief.membership import Counters, Role
-from shoal.chief.state import View
-from shoal.chief.tasks import DatasetSpec, Task
 from shoal.config import JobConfig
+from shoal.dataset import DatasetSpec, Task
 from shoal.layout import ModelLayout, TensorSpec
+from shoal.members import Counters, Role
 from shoal.proto import shoal_pb2 as pb
+from shoal.view import View
 
 ROLE_TO_PB = {Role.WORKER: pb.WORKER, Role.PS: pb.PS}
 ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}

@@ -63,3 +63,15 @@ NOT_PRIMARY = "not the primary"
 # Exit status of a chief whose job stopped because a shard lost every copy under
 # --recovery consistent: its supervisor restarts the job from the newest checkpoint.
 EXIT_ROLLBACK = 75
+
+# Exit status of a role the job refused for good (a model that differs from the job's,
+# credentials the job does not accept, a journal or checkpoint it cannot read): restarting
+# it would fail the same way, so a supervisor never does. (sysexits' EX_CONFIG.)
+EXIT_REFUSED = 78
+
+# Exit status of a role that gave up waiting on a peer (the chief, a server) after its
+# deadline, having said what it waited for and how long. (sysexits' EX_UNAVAILABLE.)
+EXIT_UNREACHABLE = 69
+
+# Exit status of a bad command line or settings file (argparse's own).
+EXIT_USAGE = 2

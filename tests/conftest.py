@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from shoal.config import JobConfig
-from shoal.testing import InProcessCluster, wait_until
+from harness import InProcessCluster, wait_until
 
 
 class FakeClock:

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from shoal import convert
-from shoal.chief.tasks import DatasetSpec, Task
+from shoal.dataset import DatasetSpec, Task
 from shoal.proto import shoal_pb2 as pb
 from shoal.rpc import with_retries
 

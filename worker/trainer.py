@@ -19,12 +19,12 @@ import grpc
 import torch
 
 from shoal import convert
-from shoal.chief.membership import Counters
-from shoal.chief.tasks import DatasetSpec, Task
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
+from shoal.dataset import DatasetSpec, Task
 from shoal.errors import InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan
+from shoal.members import Counters
 from shoal.memory import tune_malloc
 from shoal.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb

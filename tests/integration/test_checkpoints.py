@@ -13,9 +13,9 @@ from shoal.chief.checkpointer import CheckpointConfig, Interval, restore_tasks
 from shoal.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.ps.checkpoint import export_state_dict, list_checkpoints, load_latest, open_checkpoint
+from shoal.checkpoint import export_state_dict, list_checkpoints, load_latest, open_checkpoint
 from shoal.rpc import open_channel
-from shoal.testing import InProcessCluster, run_threads, wait_until
+from harness import InProcessCluster, run_threads, wait_until
 from shoal.worker import Trainer
 
 SIZE, BATCH, EPOCHS = 256, 16, 3

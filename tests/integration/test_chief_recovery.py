@@ -10,7 +10,7 @@ from shoal.config import JobConfig
 from shoal.convert import layout_to_pb
 from shoal.layout import ModelLayout, TensorSpec
 from shoal.proto import shoal_pb2 as pb
-from shoal.testing import InProcessCluster, run_threads, wait_until
+from harness import InProcessCluster, run_threads, wait_until
 from shoal.worker import Trainer
 
 from test_cluster import assert_exactly_once, data, mlp

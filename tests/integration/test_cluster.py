@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
-from shoal.testing import run_threads, wait_until
+from harness import run_threads, wait_until
 from shoal.worker import Trainer
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.testing import run_threads
+from harness import run_threads
 from shoal.worker import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch.nn.functional as F
 
-from shoal.testing import run_threads, wait_until
+from harness import run_threads, wait_until
 from shoal.worker import Trainer
 
 from test_cluster import assert_exactly_once, data, mlp

@@ -15,7 +15,7 @@ from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer
 from shoal.ps.tcp_server import DataChannelServer
 from shoal.rpc import create_server
-from shoal.testing import wait_until
+from harness import wait_until
 from shoal.worker.ps_client import ShardClient
 
 FP = "layout-fp"

@@ -12,8 +12,8 @@ import torch
 from localrun import DIGITS, SHOAL, finish, start_local
 
 from shoal.layout import ShardPlan
-from shoal.ps.checkpoint import list_checkpoints, load_latest
-from shoal.testing import wait_until
+from shoal.checkpoint import list_checkpoints, load_latest
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

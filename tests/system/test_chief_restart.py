@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from localrun import kill_and_await_restart, finish, job_steps, start_local
 
-from shoal.testing import wait_until
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

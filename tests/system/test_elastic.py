@@ -12,7 +12,7 @@ import signal
 import pytest
 from localrun import finish, job_steps, pids, start_local, start_worker
 
-from shoal.testing import wait_until
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from localrun import DIGITS, SHOAL, alive, finish, job_steps, pids, start_local
 
-from shoal.testing import wait_until
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

@@ -15,8 +15,8 @@ import pytest
 from localrun import DIGITS, alive
 
 import netns
-from shoal.status import exactly_once
-from shoal.testing import wait_until
+from shoal.cli.status import exactly_once
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from localrun import finish, job_steps, kill_and_await_restart, start_local
 
-from shoal.testing import wait_until
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

@@ -7,8 +7,8 @@ import signal
 import pytest
 from localrun import finish, job_steps, pids, start_local
 
-from shoal.ps.checkpoint import list_checkpoints
-from shoal.testing import wait_until
+from shoal.checkpoint import list_checkpoints
+from harness import wait_until
 
 pytestmark = pytest.mark.system
 

@@ -8,9 +8,9 @@ import torch
 from shoal.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan
-from shoal.ps.checkpoint import (CheckpointWriter, ShardState, export_to_file, list_checkpoints, load_latest,
+from shoal.checkpoint import (CheckpointWriter, ShardState, export_to_file, list_checkpoints, load_latest,
                                  open_checkpoint, opt_state_from_flat, opt_state_to_flat)
-from shoal.ps.optim import build_optimizer
+from shoal.optim import build_optimizer
 
 
 def make_model(hidden: int = 7) -> torch.nn.Sequential:
@@ -154,7 +154,7 @@ def test_damaged_checkpoint_falls_back_to_previous(tmp_path, caplog, damage, why
     t.step()
     bad = save(tmp_path, t, 2)
     damage(bad / "shard-00001.pt")
-    with caplog.at_level(logging.WARNING, logger="shoal.ps.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint"):
         ckpt = load_latest(tmp_path)
     assert ckpt is not None and ckpt.step == 1
     assert torch.equal(ckpt.flat_values(), first)

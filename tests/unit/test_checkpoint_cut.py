@@ -17,7 +17,7 @@ from shoal.config import JobConfig, OptimizerSpec
 from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan, TensorSpec
 from shoal.proto import shoal_pb2 as pb
-from shoal.ps.checkpoint import list_checkpoints, load_latest
+from shoal.checkpoint import list_checkpoints, load_latest
 from shoal.ps.checkpoint_servicer import ShardControlServicer
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra

@@ -142,7 +142,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from shoal.local import LocalConfig, run_local
+    from shoal.cli.local import LocalConfig, run_local
 
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value < 1:
@@ -160,7 +160,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shoal.ps.checkpoint import export_to_file
+    from shoal.checkpoint import export_to_file
 
     try:
         out = export_to_file(args.checkpoint, args.out)
@@ -171,7 +171,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from shoal.status import collect, render, to_json
+    from shoal.cli.status import collect, render, to_json
 
     try:
         snapshot = collect(args.chief)
@@ -262,6 +262,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,7 @@ from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
-from shoal.status import collect, exactly_once, replica_digests, replicas_identical
+from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
 
 log = logging.getLogger(__name__)
 

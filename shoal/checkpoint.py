@@ -1,6 +1,6 @@
 """Checkpoints of the parameter shards: write, validate, restore (re-sliced), export.
 
-Write side (re-exported from :mod:`shoal.ps.checkpoint_store`): :class:`ShardState`,
+Write side (re-exported from :mod:`shoal.checkpoint_store`): :class:`ShardState`,
 :class:`CheckpointWriter` / :class:`PendingCheckpoint`, :func:`opt_state_to_flat`,
 :func:`opt_state_from_flat`, :func:`list_checkpoints`.
 
@@ -22,7 +22,7 @@ import torch
 
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, ShardPlan, TensorSpec
-from shoal.ps.checkpoint_store import (FORMAT, MANIFEST, CheckpointWriter, PendingCheckpoint, ShardState,
+from shoal.checkpoint_store import (FORMAT, MANIFEST, CheckpointWriter, PendingCheckpoint, ShardState,
                                        check_tiling, list_checkpoints, opt_state_from_flat, opt_state_to_flat,
                                        sha256_file)
 

@@ -4,7 +4,7 @@ A checkpoint is ``<root>/ckpt-<step:012d>/`` with one ``shard-<k:05d>.pt`` per
 shard and a ``manifest.json`` written last. Everything is first written into
 ``<root>/.tmp-ckpt-<step>-<random>/`` (each file fsynced), then the directory
 is renamed into place and the root fsynced, so a reader sees either a whole
-checkpoint or none. The read side lives in :mod:`shoal.ps.checkpoint`.
+checkpoint or none. The read side lives in :mod:`shoal.checkpoint`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from shoal.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.layout import ModelLayout
-from shoal.ps.optim import OPTIMIZERS
+from shoal.optim import OPTIMIZERS
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,34 @@
+"""The cluster view the chief publishes: members, shard routes, and the job, under an epoch.
+
+Every change the chief makes to what the view shows bumps ``epoch``; workers
+and parameter servers follow the newest epoch they have seen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from shoal.config import JobConfig
+from shoal.members import Member
+
+
+@dataclass(frozen=True)
+class Route:
+    shard: int
+    member_id: str
+    address: str
+    backup_id: str = ""
+    backup_address: str = ""
+
+
+@dataclass(frozen=True)
+class View:
+    epoch: int
+    members: tuple[Member, ...]
+    routes: tuple[Route, ...]
+    ready: bool
+    job: JobConfig
+    fingerprint: str
+    completed_epochs: int = 0
+    stragglers: frozenset[str] = frozenset()
+    step_seconds: Mapping[str, float] = field(default_factory=dict)
