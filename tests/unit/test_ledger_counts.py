@@ -89,3 +89,18 @@ def test_exactly_once_reads_false_for_a_missing_batch_epoch_or_shard_data():
     assert exactly_once(status([shard_from(full_ledger()), {"error": "UNAVAILABLE"}])) is False
     assert exactly_once(status([])) is False
     assert exactly_once(status([shard_from(Ledger())], epochs=0, per_epoch=0)) is False
+
+
+def test_a_reslice_keeps_only_batches_every_source_applied_whichever_source_lacks_one():
+    def extra(*starts):
+        ledger = Ledger()
+        for s in starts:
+            ledger.record(BatchKey(0, s), "k")
+        return {"extra": ledger_to_extra(ledger)}
+
+    for sources in ([extra(0, 8), extra(0, 8, 16)], [extra(0, 8, 16), extra(0, 8)],
+                    [extra(0, 8, 16), extra(0, 8, 16), extra(8, 16)]):
+        common = {0: 1, 8: 1} if len(sources) == 2 else {8: 1, 16: 1}
+        assert ledger_from_extra({"resliced_from": sources}).starts(0) == common
+    assert ledger_from_extra({"resliced_from": []}).summary() == []
+    assert ledger_from_extra({}).summary() == []
