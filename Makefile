@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup proto run test test-fast bench clean
+.PHONY: setup proto run test test-fast bench clean mutate
 
 # Installs every Python and Debian package the project and its tests need.
 setup: $(STAMP)
@@ -31,6 +31,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m 'not system'
+
+# Mutation testing of the invariant-carrying modules (scripts/mutate.py; hours for all of them on 2 cores).
+# Not part of test. MODULES="ps/ledger.py chief/tasks.py" picks some; MUTATE_ARGS="--resume" goes on.
+mutate: setup
+	$(PY) scripts/mutate.py $(MUTATE_ARGS) $(MODULES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs .pytest_cache
