@@ -25,10 +25,12 @@ survivor with its place and operator) goes to the terminal and to ``--report``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -48,7 +50,7 @@ MODULES: dict[str, list[str]] = {
     "ps/ledger.py": [U + "test_ledger_counts.py", U + "test_shard_rounds.py", U + "test_checkpoint_cut.py",
                      U + "test_replication_order.py"],
     "shoal/codecs/feedback.py": [U + "test_error_feedback.py", U + "test_codecs.py"],
-    "ps/consistency.py": [U + "test_shard_rounds.py", U + "test_shard_optimizer.py", U + "test_changes.py",
+    "ps/consistency.py": [U + "test_consistency_rules.py", U + "test_shard_rounds.py", U + "test_shard_optimizer.py", U + "test_changes.py",
                           U + "test_replication_order.py", U + "test_checkpoint_cut.py"],
     "chief/journal.py": [U + "test_chief_persistence.py", I + "test_task_journal.py",
                          I + "test_chief_recovery.py"],
@@ -222,6 +224,9 @@ def run_module(module: str, tree: Path, workdir: Path, args: argparse.Namespace)
         error = init_session(cfg, db, tree)
         if error:
             return Tally(module, error=error), []
+    elif args.retry_survivors:
+        with sqlite3.connect(db) as con:
+            con.execute("DELETE FROM work_results WHERE lower(test_outcome) = 'survived'")
     todo = tally(module, db, tree)[0].pending
     print(f"{module}: {todo} mutant(s) to run, tests {baseline:.1f}s unmutated, {timeout_s:.0f}s allowed each",
           flush=True)
@@ -313,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a mutant's tests may run this many times the unmutated run (default: %(default)s)")
     p.add_argument("--min-timeout", type=float, default=30.0, help="but at least this many seconds (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="run only the mutants a kept session has not run")
+    p.add_argument("--retry-survivors", action="store_true",
+                   help="with --resume, also run the survivors again (after adding tests that should kill them)")
     p.add_argument("--report", type=Path, help="also write the summary (markdown) here")
     p.add_argument("--list", action="store_true", help="show the modules, their tests and mutant counts; run nothing")
     p.add_argument("--summary", action="store_true",
@@ -321,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         p.error(f"unknown module(s) {', '.join(unknown)}; known: {', '.join(MODULES)}")
+    if args.retry_survivors and not args.resume:
+        p.error("--retry-survivors goes with --resume (a new session runs every mutant anyway)")
     if args.timeout_factor < 1 or args.min_timeout <= 0:
         p.error(f"--timeout-factor must be >= 1 and --min-timeout > 0, got {args.timeout_factor}, {args.min_timeout}")
     if shutil.which("cosmic-ray", path=str(Path(sys.executable).parent)) is None:
@@ -329,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     modules = args.modules or list(MODULES)
     if args.summary:
         return summarise(modules, args)
+    lock = open(args.workdir / "lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        p.error(f"another mutation run is using {args.workdir}; wait for it, or pass another --workdir")
     tree = make_scratch(args.workdir)
     if args.list:
         for m in modules:
