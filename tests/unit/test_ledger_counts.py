@@ -4,7 +4,10 @@ Every other ledger test sees counts of 1, so a ledger that could not count past 
 ``(1, key)`` instead of ``(count + 1, key)``) would pass them all and ``exactly_once`` would read true
 after a double application. These tests apply batches more than once on purpose.
 """
+import dataclasses
 import json
+
+import pytest
 
 from shoal.cli.status import exactly_once
 from shoal.ps.ledger import BatchKey, EpochLedger, Ledger, ledger_from_extra, ledger_to_extra
@@ -29,6 +32,10 @@ def test_counts_are_per_epoch_and_an_empty_epoch_is_absent():
     ledger.record(BatchKey(0, 0), "c")
     assert ledger.summary() == [EpochLedger(0, 1, 1), EpochLedger(1, 1, 2)]
     assert ledger.starts(2) == {}
+    summary = ledger.summary()
+    assert len(set(summary)) == 2                      # immutable values: hashable, comparable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        summary[0].max_count = 1
 
 
 def test_a_double_count_survives_a_checkpoint_and_a_reslice_keeps_the_lowest_count():
