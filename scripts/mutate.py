@@ -30,6 +30,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -243,6 +244,7 @@ def run_module(module: str, tree: Path, workdir: Path, args: argparse.Namespace)
         proc.terminate()
         proc.wait()
         print("\ninterrupted: the session is kept, --resume goes on from here", file=sys.stderr)
+        raise
     if sys.stdout.isatty():
         print()
     t, survivors = tally(module, db, tree)
@@ -278,6 +280,11 @@ def count_mutants(module: str, tree: Path, workdir: Path) -> int:
     t, _ = tally(module, db, tree)
     db.unlink(missing_ok=True)
     return t.total
+
+
+def _interrupt(signum, frame):
+    """SIGTERM ends a run as Ctrl-C does: the test run in flight is stopped, the sessions kept."""
+    raise KeyboardInterrupt
 
 
 def session_files(workdir: Path, module: str) -> tuple[Path, Path]:
@@ -348,13 +355,17 @@ def main(argv: list[str] | None = None) -> int:
         for m in modules:
             print(f"{m}: {count_mutants(m, tree, args.workdir)} mutants; tests: {' '.join(MODULES[m])}")
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)
     tallies, survivors = [], []
-    for m in modules:
-        t, s = run_module(m, tree, args.workdir, args)
-        tallies.append(t)
-        survivors += s
-        print(f"{m}: {t.killed} killed, {t.timeout} timed out, {t.survived} survived, {t.pending} not run "
-              f"({t.score})", flush=True)
+    try:
+        for m in modules:
+            t, s = run_module(m, tree, args.workdir, args)
+            tallies.append(t)
+            survivors += s
+            print(f"{m}: {t.killed} killed, {t.timeout} timed out, {t.survived} survived, {t.pending} not run "
+                  f"({t.score})", flush=True)
+    except KeyboardInterrupt:
+        return 130
     text = render(tallies, survivors, tree)
     print("\n" + text)
     if args.report:
