@@ -91,3 +91,26 @@ def test_rule_for_builds_the_jobs_rule_with_its_parameters():
     assert isinstance(ssp, SSPRule) and ssp.staleness == 3
     with pytest.raises(NotImplementedError):
         Rule().admit(ctx())
+
+
+def test_a_worker_without_a_clock_counts_as_zero_on_both_sides():
+    rule = SSPRule(1)
+    assert rule.admit(ctx("a", live={"a", "b"}, clocks={"a": 1})).action is Action.ACCUMULATE   # b unknown: 0
+    assert rule.admit(ctx("a", live={"a", "b"}, clocks={"a": 2})).action is Action.WAIT
+    strict = SSPRule(0)
+    assert strict.admit(ctx("a", live={"a", "b"}, clocks={"b": 0})).action is Action.ACCUMULATE  # a unknown: 0
+
+
+def test_with_more_backup_workers_than_live_ones_a_gradient_of_a_live_worker_is_still_needed():
+    many = SyncRule(backup_workers=5)
+    assert not many.round_complete({"gone"}, {"a", "b"})     # only a worker that left pushed
+    assert many.round_complete({"gone", "a"}, {"a", "b"})
+
+
+def test_admissions_and_push_contexts_are_immutable_values():
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx().push_version = 9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SyncRule().admit(ctx()).action = Action.DROP
