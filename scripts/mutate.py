@@ -55,7 +55,7 @@ MODULES: dict[str, list[str]] = {
                           U + "test_replication_order.py", U + "test_checkpoint_cut.py"],
     "chief/journal.py": [U + "test_chief_persistence.py", I + "test_task_journal.py",
                          I + "test_chief_recovery.py"],
-    "chief/tasks.py": [U + "test_tasks.py", U + "test_chief_persistence.py", U + "test_task_feed.py",
+    "chief/tasks.py": [U + "test_tasks.py", U + "test_task_queue_edges.py", U + "test_chief_persistence.py", U + "test_task_feed.py",
                        U + "test_membership.py", I + "test_task_journal.py"],
     "chief/membership.py": [U + "test_membership.py", U + "test_chief_persistence.py"],
     "shoal/checkpoint_store.py": [U + "test_checkpoint.py", U + "test_checksum_chunks.py",
