@@ -12,13 +12,15 @@ def queue(size=64, batch=8, epochs=2, per_task=2):
     return q
 
 
-def test_the_last_batch_of_the_dataset_can_be_dropped_and_trained_again():
+def test_the_first_and_last_batch_of_the_dataset_can_be_dropped_and_trained_again():
     q = queue(size=60)                        # the last batch is short: [56, 60)
     [t] = q.take("w", 1)
     back = q.requeue_batch("w", 0, 56, 60)
     assert (back.epoch, back.start, back.stop) == (0, 56, 60)
     assert q.take("v", 1)[0].task_id == back.task_id      # at the front of the queue
-    assert q.total == 4 * 2 + 1
+    first = q.requeue_batch("w", 0, 0, 8)     # and the first one
+    assert (first.start, first.stop) == (0, 8)
+    assert q.total == 4 * 2 + 2
 
 
 @pytest.mark.parametrize("epoch,start,stop", [(-1, 0, 8), (1, 0, 8), (0, 56, 65), (0, -8, 0), (0, 8, 8)])
