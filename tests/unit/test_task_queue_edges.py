@@ -42,3 +42,14 @@ def test_a_released_task_that_was_all_pushed_closes_once_and_the_epoch_waits_for
     [again] = q.take("v", 1)
     q.complete("v", again.task_id)
     assert q.completed_epochs == 1 and q.finished
+
+
+def test_a_late_report_of_a_requeued_task_is_ignored_and_an_unknown_task_is_refused():
+    q = queue(size=32, epochs=1)
+    [t] = q.take("w", 1)
+    q.release("w")                            # w's lease lapsed: t is back in the queue, held by nobody
+    q.complete("w", t.task_id)                # its report arrives late: ignored, nothing raised
+    assert q.done_count == 0 and q.depth == 2
+    for bogus in (-1, 2, 99):
+        with pytest.raises(InvalidArgument, match=f"task {bogus} is not held by anyone"):
+            q.complete("w", bogus)
