@@ -74,6 +74,7 @@ class WorkerTelemetry:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._losses: list[float] = []
+        self._samples = 0
         self._last_report = clock()
         self._endpoint = None
         if metrics_port is not None:
@@ -147,6 +148,7 @@ class WorkerTelemetry:
         member = self._member()
         metrics.STEPS.inc()
         metrics.SAMPLES.inc(r.samples)
+        self._samples += r.samples
         metrics.PUSH_BYTES.inc(r.bytes_pushed)
         metrics.PULL_BYTES.inc(r.bytes_pulled)
         for phase, seconds in r.phases.items():
@@ -177,6 +179,7 @@ class WorkerTelemetry:
             w.add_scalar("bytes/pushed", r.bytes_pushed, s, walltime=t)
             w.add_scalar("bytes/pulled", r.bytes_pulled, s, walltime=t)
             w.add_scalar("train/staleness", r.staleness, s, walltime=t)
+            w.add_scalar("train/samples", self._samples, s, walltime=t)
             if ratio is not None:
                 w.add_scalar("bytes/compression_ratio", ratio, s, walltime=t)
         for alert in self.alerts.observe(member, r.step, loss, norm):
@@ -225,15 +228,24 @@ class StepClock:
     ``compute`` (the rest between steps: forward, backward), ``push`` and ``pull`` (inside ``step``;
     ``pull`` includes waiting for a sync round to close or for ssp's slowest worker)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_s: float | None = None) -> None:
         self.last_end = 0.0
         self.waited = 0.0
         self.pushed_at = 0.0
+        if budget_s is None:
+            raw = os.environ.get("SHOAL_TIME_BUDGET", "")
+            budget_s = float(raw) if raw else 0.0
+        self.budget_s = budget_s           # > 0: stop taking tasks this long after the first (shoal compare --budget)
+        self.started = 0.0
 
     def timed(self, feed):
-        """Iterates ``feed``, adding the time spent waiting on it to ``wait``."""
+        """Iterates ``feed``, adding the time spent waiting on it to ``wait``; ends once the budget is spent."""
         it = iter(feed)
+        self.started = self.started or time.monotonic()
         while True:
+            if self.budget_s and time.monotonic() - self.started > self.budget_s:
+                log.info("time budget of %.0fs spent: taking no more tasks", self.budget_s)
+                return
             t = time.perf_counter()
             try:
                 item = next(it)

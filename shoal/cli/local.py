@@ -68,6 +68,7 @@ class LocalConfig:
     tensorboard: str = ""              # TensorBoard runs go to <this or <run-dir>/tb>/<mode>-<time>/<role>
     metrics_port: int | None = None    # None: no /metrics; 0: every role a free port; N: chief N, then N+1, ...
     alerts: AlertConfig = field(default_factory=AlertConfig)
+    run_name: str = ""                 # the TensorBoard run folder ("": <mode>-<UTC time>)
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -133,7 +134,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # one TensorBoard run per role, under one folder per run, so runs of several modes overlay
         tb_parent = Path(cfg.tensorboard) if cfg.tensorboard else self.run_dir / "tb"
-        self.cfg = cfg = replace(cfg, tensorboard=str(tb_parent / observe.run_name(cfg.job.mode)))
+        self.cfg = cfg = replace(cfg, tensorboard=str(tb_parent / (cfg.run_name or observe.run_name(cfg.job.mode))))
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         self.restarts: dict[str, int] = {}

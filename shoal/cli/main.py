@@ -167,6 +167,17 @@ def cmd_local(args: argparse.Namespace) -> int:
     return run_local(cfg)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from shoal.cli.compare import run_compare
+
+    if args.mode:
+        raise InvalidArgument(f"shoal compare runs every mode given with --modes; drop --mode {args.mode}")
+    for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+    return run_compare(args, lambda mode: _job_from(argparse.Namespace(**{**vars(args), "mode": mode}), args.ps))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from shoal.checkpoint import export_to_file
 
@@ -207,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     _checkpoint_args(p)
     observe.add_args(p)
     p.set_defaults(func=cmd_chief)
+
+    from shoal.cli.compare import add_parser as add_compare
+
+    add_compare(sub, _job_args)
+    sub.choices["compare"].set_defaults(func=cmd_compare)
 
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
     p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
