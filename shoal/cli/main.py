@@ -192,6 +192,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from shoal.cli.status import collect, render, to_json
 
+    if args.watch is not None:
+        from shoal.cli.watch import watch
+
+        if not args.watch > 0:
+            raise InvalidArgument(f"--watch takes seconds between refreshes (> 0), got {args.watch}")
+        return watch(lambda: (to_json if args.json else render)(collect(args.chief)), args.watch)
     try:
         snapshot = collect(args.chief)
     except grpc.RpcError as exc:
@@ -232,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="print the job at a glance")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh in place every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
