@@ -56,6 +56,7 @@ class ChiefServer:
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="chief-ticker", daemon=True)
+        self.bind = bind
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.address = f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{self.port}"
 
@@ -92,18 +93,18 @@ class ChiefServer:
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
         """Starts the telemetry watcher (TensorBoard under ``tensorboard``/chief, Prometheus gauges,
         worker-behind alerts) and, with ``metrics_port`` (0: any free port), ``/metrics`` over HTTP."""
-        from shoal.metrics import MetricsEndpoint
+        from shoal.metrics import MetricsEndpoint, bind_host
 
         def report(member: str, values: dict) -> None:
             with self.servicer.lock:
                 self.state.metrics.update(values)
 
         pauses = (lambda: self.checkpointer.pauses) if self.checkpointer is not None else None
+        if metrics_port is not None:
+            self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind))
+            self.metrics_endpoint.announce("chief", "chief")
         self.telemetry = ChiefWatch(self.state, self.servicer.lock, tensorboard=tensorboard, report=report,
                                     pauses=pauses).start()
-        if metrics_port is not None:
-            self.metrics_endpoint = MetricsEndpoint(metrics_port)
-            self.metrics_endpoint.announce("chief", "chief")
         return self
 
     def _tick_loop(self) -> None:

@@ -35,6 +35,7 @@ class PSServer:
         pb_grpc.add_ParameterServerServicer_to_server(StatusServicer(self.host), self.server)
         pb_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.host), self.server)
         bind_host = bind.rsplit(":", 1)[0].strip("[]")
+        self.bind_host = bind_host
         self.channel = None if data_port is None else DataChannelServer(
             self.data, bind_host or "0.0.0.0", data_port, on_lost=self._worker_dropped)
         self._reports = ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
@@ -77,7 +78,7 @@ class PSServer:
 
         metrics.register_state(f"ps/{id(self)}", collector(self.host))
         if port is not None:
-            self.metrics_endpoint = metrics.MetricsEndpoint(port)
+            self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host)
             self.metrics_endpoint.announce("ps", self.chief.member_id)
         return self
 

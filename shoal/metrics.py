@@ -192,14 +192,24 @@ def gauge(name: str, doc: str, labels: list[str] | None = None,
 
 
 class MetricsEndpoint:
-    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one); ``port`` is the bound one."""
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one); ``port`` is the bound one.
 
-    def __init__(self, port: int, host: str = "127.0.0.1"):
+    ``host`` defaults to ``$SHOAL_METRICS_HOST`` or loopback; the chief and the parameter
+    servers pass their own bind host, so a role that listens for peers is scraped there too.
+    """
+
+    def __init__(self, port: int, host: str | None = None):
+        from shoal.errors import InvalidArgument
+
         if not 0 <= port <= 65535:
-            from shoal.errors import InvalidArgument
             raise InvalidArgument(f"--metrics-port must be a port number (0: any free one), got {port}")
+        host = host if host is not None else os.environ.get("SHOAL_METRICS_HOST", "127.0.0.1")
         self.host = host
-        self._server, self._thread = start_http_server(port, addr=host)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host or "0.0.0.0")
+        except OSError as exc:
+            raise InvalidArgument(f"--metrics-port {port}: cannot listen on {host or '0.0.0.0'}:{port} "
+                                  f"({exc.strerror or exc})") from None
         self.port = self._server.server_port
         self.url = f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{self.port}/metrics"
 
@@ -222,6 +232,11 @@ class MetricsEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def bind_host(bind: str) -> str:
+    """The host part of a role's ``--bind`` (``0.0.0.0:7070`` -> ``0.0.0.0``; ``[::1]:0`` -> ``::1``)."""
+    return bind.rsplit(":", 1)[0].strip("[]")
 
 
 def from_env_or(port: int | None) -> int | None:

@@ -77,9 +77,9 @@ class WorkerTelemetry:
         self._samples = 0
         self._last_report = clock()
         self._endpoint = None
+        self._announced = False
         if metrics_port is not None:
-            self._endpoint = metrics.MetricsEndpoint(metrics_port)
-            self._endpoint.announce("worker", member_id())
+            self._endpoint = metrics.MetricsEndpoint(metrics_port)     # announced once the member has a name
         self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
         self._thread.start()
 
@@ -119,6 +119,9 @@ class WorkerTelemetry:
             if item == "stop":
                 self._report_loss(force=True)
                 return
+            if self._endpoint is not None and not self._announced and self._member():
+                self._announced = True
+                self._endpoint.announce("worker", self._member())
             try:
                 if isinstance(item, StepRecord):
                     self._pending -= 1

@@ -114,10 +114,11 @@ class Trainer:
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat)
-        self.chief.join()
-        self.chief.start_background()
+        # before joining: a metrics port in use is an error that leaves nothing behind
         self.telemetry = WorkerTelemetry.from_env(lambda: self.chief.member_id, report=self._send_metrics)
         self.clock, self._bytes_at_step = StepClock(), [0, 0]
+        self.chief.join()
+        self.chief.start_background()
         view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
         self.mode = view.job.mode
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)

@@ -91,8 +91,8 @@ def cmd_chief(args: argparse.Namespace) -> int:
     job = _job_from(args, args.num_shards)
     tensorboard, metrics_port = observe.tensorboard_dir(args), observe.metrics_port(args)
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args)).start()
-    server.watch(tensorboard, metrics_port)
+                         checkpoint=_checkpoint_from(args))
+    server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
     _write_port(args.port_file, server.port)
     done = threading.Event()
 
@@ -123,7 +123,11 @@ def cmd_ps(args: argparse.Namespace) -> int:
     metrics_port = observe.metrics_port(args)
     server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
                       data_port=None if args.no_data_channel else args.data_port).start()
-    server.serve_metrics(metrics_port)
+    try:
+        server.serve_metrics(metrics_port)
+    except ShoalError:
+        server.stop(grace_s=0.5)                          # leaves the job it just joined
+        raise
     _write_port(args.port_file, server.port)
     _serve_until_signalled(server)
     return 0
