@@ -69,6 +69,7 @@ class WorkerTelemetry:
         self._report = report
         self._clock = clock
         self.alerts = TrainingAlerts(alerts)
+        self.norms = NormSampler()
         self.raised: list = []           # every Alert this worker raised
         self.dropped = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -269,6 +270,28 @@ class StepClock:
         return out
 
 
+class NormSampler:
+    """Decides on which steps to compute the gradient norm, so that it costs about ``budget`` of the step time.
+
+    The norm reads the whole gradient on the training thread (about 20 ms for 16M fp32 values on one
+    CPU core): a small model gets it every step, a large one every few steps.
+    """
+
+    def __init__(self, budget: float = 0.01):
+        self.budget = budget
+        self.every = 1
+        self._countdown = 0
+
+    def due(self) -> bool:
+        self._countdown -= 1
+        return self._countdown <= 0
+
+    def measured(self, norm_s: float, step_s: float) -> None:
+        if step_s > 0:
+            self.every = max(1, min(1000, math.ceil(norm_s / (self.budget * step_s))))
+        self._countdown = self.every
+
+
 def after_step(trainer, started: float, samples: int, loss: Any, versions: dict[int, int],
                replies: dict[int, Any], last: list[int]) -> None:
     """Builds the step's :class:`StepRecord` from the trainer (called at the end of ``Trainer.step``).
@@ -282,8 +305,14 @@ def after_step(trainer, started: float, samples: int, loss: Any, versions: dict[
     stale = [r.version - versions[k] - 1 for k, r in replies.items()
              if r.accepted and not r.duplicate and k in versions]
     loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+    phases = trainer.clock.phases(started, now)
+    norm, sampler = None, trainer.telemetry.norms
+    if sampler.due():
+        t = time.perf_counter()
+        norm = torch.linalg.vector_norm(trainer.flat_grads)
+        sampler.measured(time.perf_counter() - t, sum(phases.values()))
     trainer.telemetry.record(StepRecord(
         step=trainer.step_count, wall=time.time(), samples=samples, loss=loss,
-        grad_norm=torch.linalg.vector_norm(trainer.flat_grads), phases=trainer.clock.phases(started, now),
+        grad_norm=norm, phases=phases,
         bytes_pushed=pushed, bytes_pulled=pulled, raw_bytes=4 * trainer.layout.numel if pushed else 0,
         staleness=max(0, max(stale, default=0))))
