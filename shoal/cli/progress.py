@@ -64,6 +64,7 @@ class Console:
         self._stop = threading.Event()
         self._hidden = 0
         self._closed = False
+        self._redirect = None
 
     def open_log(self, path: Path) -> None:
         """On a terminal, keeps every child line (the bar hides their info lines) in ``path``."""
@@ -111,9 +112,13 @@ class Console:
             return
         from tqdm import tqdm
 
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         with self._lock:
             self._bar = tqdm(total=1, file=self.out, desc="starting", dynamic_ncols=True, leave=True,
                              bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
+            self._redirect = logging_redirect_tqdm()      # the supervisor's own log lines go above the bar
+            self._redirect.__enter__()
         self._poller = threading.Thread(target=self._poll, args=(chief_address, interval_s),
                                         name="progress", daemon=True)
         self._poller.start()
@@ -158,6 +163,9 @@ class Console:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+            if self._redirect is not None:
+                self._redirect.__exit__(None, None, None)
+                self._redirect = None
 
     def close_log(self) -> None:
         with self._lock:
