@@ -1,8 +1,10 @@
 """Alerts on a training run: pure detectors, fed one observation at a time, that say when to alert.
 
-- ``loss_spike``: a loss above ``loss_spike`` times the running median of the recent losses;
+- ``loss_spike``: a loss above ``loss_spike`` times the running median of the recent losses and
+  more than ``deviations`` robust standard deviations (1.4826 x the median absolute deviation)
+  above it, so the batch-to-batch noise of a small loss is not a spike;
 - ``nonfinite_loss``: a NaN or infinite loss;
-- ``grad_spike``: a gradient norm above ``grad_spike`` times its running median;
+- ``grad_spike``: the same for the gradient norm, with ``grad_spike``;
 - ``worker_behind``: a worker the chief flags as a straggler (step time above twice the median).
 
 Each is reported once per occurrence: an alert fires on the first anomalous step and
@@ -27,13 +29,15 @@ class AlertConfig:
     """Thresholds (the job file's ``alerts:`` section, ``$SHOAL_ALERT_<NAME>``, ``--alert-<name>``).
 
     ``loss_spike`` and ``grad_spike`` are factors over the running median of the last
-    ``window`` steps; no alert before ``warmup`` steps were seen; 0 turns a check off.
+    ``window`` steps (0 turns a check off); a spike must also lie ``deviations`` robust
+    standard deviations above that median; no alert before ``warmup`` steps were seen.
     """
 
     loss_spike: float = 3.0
     grad_spike: float = 10.0
     window: int = 100
     warmup: int = 20
+    deviations: float = 6.0
 
     def __post_init__(self) -> None:
         for name in ("loss_spike", "grad_spike"):
@@ -43,6 +47,8 @@ class AlertConfig:
         for name in ("window", "warmup"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"alert {name} must be a whole number of steps, got {getattr(self, name)!r}")
+        if not isinstance(self.deviations, (int, float)) or not self.deviations >= 0:
+            raise InvalidArgument(f"alert deviations must be >= 0, got {self.deviations!r}")
         if self.window < 3:
             raise InvalidArgument(f"alert window must be >= 3 steps, got {self.window}")
         if self.warmup < 0:
@@ -67,8 +73,8 @@ class Alert:
 class SpikeDetector:
     """One series (loss, gradient norm): alerts when a value exceeds ``factor`` x the running median."""
 
-    def __init__(self, kind: str, factor: float, window: int, warmup: int):
-        self.kind, self.factor, self.warmup = kind, factor, warmup
+    def __init__(self, kind: str, factor: float, window: int, warmup: int, deviations: float = 0.0):
+        self.kind, self.factor, self.warmup, self.deviations = kind, factor, warmup, deviations
         self._recent: deque[float] = deque(maxlen=window)
         self._seen = 0
         self._firing = False
@@ -79,7 +85,7 @@ class SpikeDetector:
         if not math.isfinite(value):
             return None              # the non-finite check owns these
         self._seen += 1
-        limit = self.factor * statistics.median(self._recent) if self._recent else math.inf
+        limit = self._limit()
         anomalous = self._seen > self.warmup and len(self._recent) >= 3 and value > limit
         if not anomalous:
             self._recent.append(value)    # a spike stays out of the median it is judged against
@@ -88,14 +94,22 @@ class SpikeDetector:
         return Alert(self.kind, member, step, value, limit) if fire else None
 
 
+    def _limit(self) -> float:
+        if len(self._recent) < 3:
+            return math.inf
+        median = statistics.median(self._recent)
+        mad = statistics.median(abs(v - median) for v in self._recent)
+        return max(self.factor * median, median + self.deviations * 1.4826 * mad)
+
+
 class TrainingAlerts:
     """A worker's detectors: loss spike, non-finite loss, gradient-norm spike."""
 
     def __init__(self, cfg: AlertConfig | None = None):
         cfg = cfg or AlertConfig()
         self.cfg = cfg
-        self.loss = SpikeDetector("loss_spike", cfg.loss_spike, cfg.window, cfg.warmup)
-        self.grad = SpikeDetector("grad_spike", cfg.grad_spike, cfg.window, cfg.warmup)
+        self.loss = SpikeDetector("loss_spike", cfg.loss_spike, cfg.window, cfg.warmup, cfg.deviations)
+        self.grad = SpikeDetector("grad_spike", cfg.grad_spike, cfg.window, cfg.warmup, cfg.deviations)
         self._nonfinite = False
 
     def observe(self, member: str, step: int, loss: float | None = None,
