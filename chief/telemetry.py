@@ -178,7 +178,12 @@ class ChiefWatch:
         if self._writer is None and self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(Path(self.tensorboard) / "chief"), flush_secs=5)
+            try:
+                self._writer = SummaryWriter(log_dir=str(Path(self.tensorboard) / "chief"), flush_secs=5)
+            except OSError as exc:      # once: the chief goes on without TensorBoard
+                log.warning("cannot write TensorBoard events under %s (%s); going on without them",
+                            self.tensorboard, exc.strerror or exc)
+                self.tensorboard = ""
         return self._writer
 
     def _write(self, s: Snapshot, events: list[Event]) -> None:

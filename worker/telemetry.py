@@ -144,7 +144,12 @@ class WorkerTelemetry:
             from torch.utils.tensorboard import SummaryWriter
 
             member = self._member() or "worker"
-            self._writer = SummaryWriter(log_dir=str(Path(self._tb_parent) / member), flush_secs=5)
+            try:
+                self._writer = SummaryWriter(log_dir=str(Path(self._tb_parent) / member), flush_secs=5)
+            except OSError as exc:      # once, not once a step: training goes on without TensorBoard
+                log.warning("cannot write TensorBoard events under %s (%s); going on without them",
+                            self._tb_parent, exc.strerror or exc)
+                self._tb_parent = ""
         return self._writer
 
     def _step(self, r: StepRecord) -> None:

@@ -59,3 +59,14 @@ def test_alerts_and_the_mean_loss_reach_the_chief_once():
     assert [(a.kind, a.member, a.step) for a in tel.raised] == [("loss_spike", "worker-3", 8)]
     assert {"alert/loss_spike/worker-3": 8.0} in sent
     assert [v["train_loss"] for v in sent if "train_loss" in v] == [(10 * 1.0 + 2 * 50.0) / 12]
+
+
+def test_an_unwritable_tensorboard_dir_is_one_warning_and_training_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    tel = WorkerTelemetry(lambda: "worker-0", tensorboard=str(blocker / "tb"))
+    for step in range(5):
+        tel.record(StepRecord(step=step, wall=0.0, samples=4, loss=1.0, phases={"push": 0.01}))
+    tel.close()
+    warnings = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert len(warnings) == 1 and "cannot write TensorBoard events" in warnings[0].getMessage()
