@@ -441,7 +441,7 @@ class Trainer:
             req.step_seconds = self._step_seconds
 
     def _send_metrics(self, values: dict[str, float]) -> None:
-        self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id, values=values), timeout=5)
+        self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id, values=values), timeout=2)
 
     def _snapshot_counters(self) -> Counters:
         with self._counter_lock:
