@@ -36,6 +36,7 @@ class PSServer:
         pb_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.host), self.server)
         bind_host = bind.rsplit(":", 1)[0].strip("[]")
         self.bind_host = bind_host
+        self.metrics_endpoint = None      # with serve_metrics(port)
         self.channel = None if data_port is None else DataChannelServer(
             self.data, bind_host or "0.0.0.0", data_port, on_lost=self._worker_dropped)
         self._reports = ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
@@ -103,7 +104,7 @@ class PSServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         set_serving(self._health, SERVICE, False)
-        if getattr(self, "metrics_endpoint", None) is not None:
+        if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         from shoal import metrics
         metrics.unregister_state(f"ps/{id(self)}")
