@@ -23,8 +23,7 @@ proto: setup
 
 # Trains the digits example on a local cluster (chief, 2 ps, 2 workers).
 run: setup
-	$(VENV)/bin/shoal local --ps 2 --workers 2 --mode sync --summary runs/summary.json examples/digits.py
-	@cat runs/summary.json; echo
+	$(VENV)/bin/shoal local --ps 2 --workers 2 --mode sync --run-dir runs --summary runs/summary.json examples/digits.py
 
 test: setup
 	$(PY) -m pytest -q -ra

@@ -45,6 +45,7 @@ import grpc
 
 from shoal.chief.tasks import TaskQueue
 from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
+from shoal import metrics
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -325,6 +326,7 @@ class Checkpointer:
         self.pauses.append(held)
         with self.lock:
             self.status.committed(path, target)
+        metrics.CHECKPOINT_SECONDS.observe(self._clock() - t0)
         log.info("checkpoint step %d committed to %s: updates held %.1f ms (freeze to thaw), %.1f ms in all",
                  target, path, held * 1e3, (self._clock() - t0) * 1e3)
         return path

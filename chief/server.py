@@ -11,6 +11,7 @@ from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
+from shoal.chief.telemetry import ChiefWatch
 from shoal.config import JobConfig
 from shoal.members import Role
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -48,11 +49,14 @@ class ChiefServer:
         self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
         self.stopped = threading.Event()    # set when the job stopped (--recovery consistent lost a shard)
         self._closed = False
+        self.telemetry: ChiefWatch | None = None
+        self.metrics_endpoint = None
         self.server, self.port, self._health = create_server(bind)
         pb_grpc.add_ChiefServicer_to_server(self.servicer, self.server)
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="chief-ticker", daemon=True)
+        self.bind = bind
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.address = f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{self.port}"
 
@@ -86,6 +90,23 @@ class ChiefServer:
                  self.job.mode, self.job.num_shards, self.job.lease_seconds)
         return self
 
+    def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
+        """Starts the telemetry watcher (TensorBoard under ``tensorboard``/chief, Prometheus gauges,
+        worker-behind alerts) and, with ``metrics_port`` (0: any free port), ``/metrics`` over HTTP."""
+        from shoal.metrics import MetricsEndpoint, bind_host
+
+        def report(member: str, values: dict) -> None:
+            with self.servicer.lock:
+                self.state.metrics.update(values)
+
+        pauses = (lambda: self.checkpointer.pauses) if self.checkpointer is not None else None
+        if metrics_port is not None:
+            self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind))
+            self.metrics_endpoint.announce("chief", "chief")
+        self.telemetry = ChiefWatch(self.state, self.servicer.lock, tensorboard=tensorboard, report=report,
+                                    pauses=pauses).start()
+        return self
+
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
             if self.servicer.failed is not None:
@@ -104,6 +125,10 @@ class ChiefServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stop.set()
+        if self.telemetry is not None:
+            self.telemetry.stop()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         if self.checkpointer is not None:
             self.checkpointer.stop()
         set_serving(self._health, SERVICE, False)

@@ -103,7 +103,7 @@ def main() -> None:
         loss.backward()
         if delay:
             time.sleep(delay)
-        trainer.step(samples=len(xb))
+        trainer.step(samples=len(xb), loss=loss)
         if step_log:
             step_log.write(f"{time.time():.6f}\n")
         if step % 50 == 0:

@@ -35,6 +35,8 @@ class PSServer:
         pb_grpc.add_ParameterServerServicer_to_server(StatusServicer(self.host), self.server)
         pb_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.host), self.server)
         bind_host = bind.rsplit(":", 1)[0].strip("[]")
+        self.bind_host = bind_host
+        self.metrics_endpoint = None      # with serve_metrics(port)
         self.channel = None if data_port is None else DataChannelServer(
             self.data, bind_host or "0.0.0.0", data_port, on_lost=self._worker_dropped)
         self._reports = ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
@@ -70,6 +72,17 @@ class PSServer:
         log.info("ps %s serving shard %d on %s", self.chief.member_id, reply.shard, self.address)
         return self
 
+    def serve_metrics(self, port: int | None) -> "PSServer":
+        """Gauges of the shards this server holds in the registry; with ``port`` (0: any free one) ``/metrics``."""
+        from shoal import metrics
+        from shoal.ps.telemetry import collector
+
+        metrics.register_state(f"ps/{id(self)}", collector(self.host))
+        if port is not None:
+            self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host)
+            self.metrics_endpoint.announce("ps", self.chief.member_id)
+        return self
+
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
         self.host.set_view(workers, view.completed_epochs, list(view.shards))
@@ -91,6 +104,10 @@ class PSServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         set_serving(self._health, SERVICE, False)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
+        from shoal import metrics
+        metrics.unregister_state(f"ps/{id(self)}")
         self.chief.leave()
         self.host.close()
         if self.channel is not None:

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shoal.errors import ShoalError
+from shoal.metrics import interceptors as metrics_interceptors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,7 +53,7 @@ def create_server(address: str, max_workers: int = 64) -> tuple[grpc.Server, int
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="grpc"),
-                         options=SERVER_OPTIONS)
+                         options=SERVER_OPTIONS, interceptors=metrics_interceptors())
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")

@@ -36,6 +36,7 @@ from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
 from shoal.worker.routes import ShardRoutes, is_failover, went_back
 from shoal.worker.push import GradientEncoder
 from shoal.worker.staging import Staging
+from shoal.worker.telemetry import StepClock, WorkerTelemetry, after_step
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ class Trainer:
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat)
+        # before joining: a metrics port in use is an error that leaves nothing behind
+        self.telemetry = WorkerTelemetry.from_env(lambda: self.chief.member_id, report=self._send_metrics)
+        self.clock, self._bytes_at_step = StepClock(), [0, 0]
         self.chief.join()
         self.chief.start_background()
         view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
@@ -216,8 +220,11 @@ class Trainer:
                 g.copy_(p.grad)
                 p.grad = g
 
-    def step(self, samples: int = 0) -> None:
+    def step(self, samples: int = 0, loss: Any = None) -> None:
         """Pushes this step's gradients to every shard and pulls the new weights.
+
+        ``loss`` (a float or the loss tensor, optional) goes to TensorBoard, the metrics,
+        the loss-spike alerts and the progress bar; it is read off the training thread.
 
         Inside :meth:`batches` the push names its batch, so every shard applies
         that batch at most once; a batch some shard dropped (a late gradient in
@@ -231,9 +238,9 @@ class Trainer:
             samples = samples or batch.stop - batch.start
         versions = self._step_versions if early else dict(self.versions)
         futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
-        replies = self._push_then_pull(futures, versions)
+        by_shard = self._push_then_pull(futures, versions)
         self.staging.before_compute()
-        replies = list(replies.values())
+        replies = list(by_shard.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
                 self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
@@ -248,6 +255,7 @@ class Trainer:
                 period = now - self._last_step_end
                 self._step_seconds = period if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * period
             self._last_step_end = now
+        after_step(self, t0, samples, loss, versions, by_shard, self._bytes_at_step)
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
 
     def _push_then_pull(self, futures: dict[int, Future], versions: dict[int, int]) -> dict[int, pb.PushReply]:
@@ -266,10 +274,12 @@ class Trainer:
                 k = shard_of[f]
                 replies[k] = f.result()
                 pulls.append(self._pool.submit(self._pull_shard, k, replies[k].version, True))
+            self.clock.pushed_at = time.perf_counter()
             for f in pulls:
                 f.result()
             return replies
         replies = {k: f.result() for k, f in futures.items()}
+        self.clock.pushed_at = time.perf_counter()
         in_round = all(r.accepted and not r.duplicate for r in replies.values())
         list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
                                                        resend=True), list(self._clients)))
@@ -401,7 +411,7 @@ class Trainer:
         feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join)
         self._feed = feed
         try:
-            for task, token in feed:
+            for task, token in self.clock.timed(feed):
                 for start, stop, batch in batches_of(data, task, batch_size):
                     self._batch = BatchContext(task, token, start, stop)
                     yield batch
@@ -430,6 +440,9 @@ class Trainer:
                 req.progress.add(task_id=task_id, next_start=min(next_start, holds.get(task_id, next_start)))
             req.step_seconds = self._step_seconds
 
+    def _send_metrics(self, values: dict[str, float]) -> None:
+        self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id, values=values), timeout=2)
+
     def _snapshot_counters(self) -> Counters:
         with self._counter_lock:
             c = self.counters
@@ -437,12 +450,14 @@ class Trainer:
 
     def report(self, **values: float) -> None:
         """Publishes job-level metrics (e.g. ``test_accuracy``) to the chief."""
+        self.telemetry.reported(values, self.step_count)
         req = pb.MetricsReport(member_id=self.member_id, values={k: float(v) for k, v in values.items()})
         with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=10), "report metrics to the chief",
                      deadline_s=120)
 
     def close(self) -> None:
         """Leaves the job gracefully (returns held tasks) and closes connections."""
+        self.telemetry.close()
         self.chief.leave()
         self._pool.shutdown(wait=False)
         self.routes.close()

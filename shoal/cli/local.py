@@ -17,18 +17,21 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
 import grpc
 
+from shoal.alerts import AlertConfig
 from shoal.config import JobConfig
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
+from shoal.cli.progress import Console, result_lines
+from shoal.cli import observe
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,10 @@ class LocalConfig:
     checkpoint_interval: str = ""
     keep_checkpoints: int = 3
     drain_s: float = 60.0              # after our workers end: how long workers that joined from outside may take
+    tensorboard: str = ""              # TensorBoard runs go to <this or <run-dir>/tb>/<mode>-<time>/<role>
+    metrics_port: int | None = None    # None: no /metrics; 0: every role a free port; N: chief N, then N+1, ...
+    alerts: AlertConfig = field(default_factory=AlertConfig)
+    run_name: str = ""                 # the TensorBoard run folder ("": <mode>-<UTC time>)
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -125,6 +132,9 @@ class LocalCluster:
         self.children: dict[str, Child] = {}
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="shoal-local-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # one TensorBoard run per role, under one folder per run, so runs of several modes overlay
+        tb_parent = Path(cfg.tensorboard) if cfg.tensorboard else self.run_dir / "tb"
+        self.cfg = cfg = replace(cfg, tensorboard=str(tb_parent / (cfg.run_name or observe.run_name(cfg.job.mode))))
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         self.restarts: dict[str, int] = {}
@@ -132,7 +142,8 @@ class LocalCluster:
         self._restart_at: dict[str, float] = {}
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHOAL_METRICS_DIR": str(self.run_dir / "metrics"),
+               **(extra_env or {})}
         child = Child(name, [sys.executable, "-m", "shoal.cli", *args], env, self.out)
         self.children[name] = child
         self._launch[name] = (args, extra_env)
@@ -163,11 +174,13 @@ class LocalCluster:
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
-                                      "--journal", str(self._new_journal()), *self._checkpoint_args()])
+                                      "--journal", str(self._new_journal()), *self._checkpoint_args(),
+                                      *observe.local_role_flags(self.cfg, "chief", 0)])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)
         for k in range(self.cfg.num_ps):
-            self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", "127.0.0.1:0"])
+            self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", "127.0.0.1:0",
+                                   *observe.local_role_flags(self.cfg, "ps", k)])
         for k in range(self.cfg.num_workers):
             self.start_worker(f"worker{k}")
 
@@ -191,7 +204,7 @@ class LocalCluster:
         return self._spawn(name, ["worker", "--chief", self.chief_address, "--compression", self.cfg.compression,
                                   "--pull-codec", self.cfg.pull_codec, "--transport", self.cfg.transport,
                                   self.cfg.script, *self.cfg.script_args],
-                           {"SHOAL_LOCAL_INDEX": index})
+                           {"SHOAL_LOCAL_INDEX": index, **observe.local_worker_env(self.cfg, int(index or 0), self.run_dir)})
 
     def workers(self) -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith("worker")]
@@ -342,7 +355,9 @@ def _read_settled(read, settled, settle_s: float, what: str):
 
 
 def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
-    cluster = LocalCluster(cfg, out)
+    console = Console(out)
+    cluster = LocalCluster(cfg, console)
+    console.open_log(cluster.run_dir / "shoal.log")
     started = time.monotonic()
     interrupted = threading.Event()
 
@@ -353,6 +368,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.start()
+        console.follow(cluster.chief_address)
         codes = cluster.wait_workers()
         cluster.drain()
         seconds = time.monotonic() - started
@@ -360,18 +376,22 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         shards = cluster.shard_report()
         replicas = cluster.replica_report()
     except KeyboardInterrupt:
+        console.close()
         log.info("interrupted: stopping the cluster")
         cluster.stop()
         return 130
     except JobStopped as exc:
+        console.close()
         log.error("job stopped: %s", exc)
         cluster.stop()
         return 3
     finally:
         signal.signal(signal.SIGTERM, previous)
+    console.close()
     cluster.stop()
+    console.close_log()
     ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 for c in codes.values())
-    summary = build_summary(cfg, codes, seconds, stats)
+    summary = build_summary(cluster.cfg, codes, seconds, stats)
     if shards is not None:
         summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
         summary["exactly_once"] = exactly_once(shards)
@@ -387,14 +407,15 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         tmp.replace(path)
-    log.info("training %s in %.1fs: %s", "finished" if ok else "FAILED", seconds,
-             json.dumps({k: summary[k] for k in ("steps", "test_accuracy") if k in summary}))
+    out.write("\n".join(result_lines(summary, ok, cfg.summary, console.log_path)) + "\n")
+    out.flush()
     return 0 if ok else 1
 
 
 def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
     summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
-                     "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes}
+                     "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes,
+                     "tensorboard": str(Path(cfg.tensorboard).parent) if cfg.tensorboard else ""}
     if stats is not None:
         summary.update(steps=stats.totals.steps, samples=stats.totals.samples,
                        bytes_pushed=stats.totals.bytes_pushed, bytes_pulled=stats.totals.bytes_pulled,

@@ -16,6 +16,7 @@ import grpc
 from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
+from shoal.cli import observe
 
 log = logging.getLogger("shoal")
 
@@ -88,8 +89,10 @@ def cmd_chief(args: argparse.Namespace) -> int:
     from shoal.chief.server import ChiefServer
 
     job = _job_from(args, args.num_shards)
+    tensorboard, metrics_port = observe.tensorboard_dir(args), observe.metrics_port(args)
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args)).start()
+                         checkpoint=_checkpoint_from(args))
+    server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
     _write_port(args.port_file, server.port)
     done = threading.Event()
 
@@ -117,8 +120,14 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     if not 0 <= args.data_port <= 65535:
         raise InvalidArgument(f"--data-port must be a port number (0: any free one), got {args.data_port}")
+    metrics_port = observe.metrics_port(args)
     server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
                       data_port=None if args.no_data_channel else args.data_port).start()
+    try:
+        server.serve_metrics(metrics_port)
+    except ShoalError:
+        server.stop(grace_s=0.5)                          # leaves the job it just joined
+        raise
     _write_port(args.port_file, server.port)
     _serve_until_signalled(server)
     return 0
@@ -132,6 +141,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         os.environ["SHOAL_PULL_CODEC"] = args.pull_codec
     if args.transport:
         os.environ["SHOAL_TRANSPORT"] = args.transport
+    os.environ.update(observe.worker_env(args))
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
@@ -155,8 +165,21 @@ def cmd_local(args: argparse.Namespace) -> int:
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
-                      keep_checkpoints=args.keep_checkpoints)
+                      keep_checkpoints=args.keep_checkpoints,
+                      tensorboard=observe.tensorboard_dir(args), metrics_port=observe.metrics_port(args),
+                      alerts=observe.alert_config(args))
     return run_local(cfg)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from shoal.cli.compare import run_compare
+
+    if args.mode:
+        raise InvalidArgument(f"shoal compare runs every mode given with --modes; drop --mode {args.mode}")
+    for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+    return run_compare(args, lambda mode: _job_from(argparse.Namespace(**{**vars(args), "mode": mode}), args.ps))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -173,6 +196,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from shoal.cli.status import collect, render, to_json
 
+    if args.watch is not None:
+        from shoal.cli.watch import watch
+
+        if not args.watch > 0:
+            raise InvalidArgument(f"--watch takes seconds between refreshes (> 0), got {args.watch}")
+        return watch(lambda: (to_json if args.json else render)(collect(args.chief)), args.watch)
     try:
         snapshot = collect(args.chief)
     except grpc.RpcError as exc:
@@ -197,7 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="move an existing --journal aside and start the job over")
     _job_args(p)
     _checkpoint_args(p)
+    observe.add_args(p)
     p.set_defaults(func=cmd_chief)
+
+    from shoal.cli.compare import add_parser as add_compare
+
+    add_compare(sub, _job_args)
+    sub.choices["compare"].set_defaults(func=cmd_compare)
 
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
     p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
@@ -207,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="print the job at a glance")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh in place every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
@@ -219,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-data-channel", action="store_true",
                    help="offer no TCP data channel: workers push and pull over gRPC")
     p.add_argument("--port-file", help="write the bound port here once serving")
+    observe.add_args(p, tensorboard=False)
     p.set_defaults(func=cmd_ps)
 
     for name, helptext in (("worker", "run a training script as a worker"),
@@ -246,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
                        help="carry pushes and pulls over the parameter servers' TCP data channel (tcp, the "
                             "default, when they offer one) or over gRPC")
+        observe.add_args(p, alerts=True)
         p.add_argument("script")
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)

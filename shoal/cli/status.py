@@ -56,7 +56,18 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                                         "queue_depth": stats.queue_depth},
             "epochs": {"completed": stats.completed_epochs, "total": stats.epochs,
                        "batches_per_epoch": stats.batches_per_epoch},
-            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples}}
+            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples},
+            "alerts": alerts_of(dict(stats.metrics))}
+
+
+def alerts_of(job_metrics: dict[str, float]) -> list[dict[str, Any]]:
+    """The alerts workers and the chief raised (``alert/<kind>/<member>`` = step of the latest occurrence)."""
+    out = []
+    for key, step in sorted(job_metrics.items()):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "alert":
+            out.append({"kind": parts[1], "member": parts[2], "step": int(step)})
+    return out
 
 
 def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
@@ -128,6 +139,9 @@ def render(s: dict[str, Any]) -> str:
         backup = f"{sh['backup'] or '-'}{'' if sh.get('backup_state') in ('in_sync', None) else '*'}"
         out.append(f"{sh['shard']:<6} {sh['primary']:<10} {backup:<10} {sh['version']:>8} {sh['applied']:>8} "
                    f"{sh['dropped']:>8}  {ledger}")
+    if s.get("alerts"):
+        out += ["", "alerts (latest occurrence of each):"]
+        out += [f"  {a['kind']:<15} {a['member']:<12} step {a['step']}" for a in s["alerts"]]
     return "\n".join(out)
 
 

@@ -1,0 +1,253 @@
+"""What the chief tells the people watching the job: TensorBoard scalars, Prometheus gauges, alerts.
+
+A watcher thread reads the state (under the servicer's lock, a few dict reads) once
+a second, never from an RPC: live workers and servers, queue depth, task and epoch
+progress, the view epoch; it reads each primary's shard version over gRPC every few
+seconds. :class:`JobEvents` (pure) turns consecutive snapshots into the events
+worth marking: view changes, failovers (a shard's primary moved), lease
+expirations, checkpoints, workers falling behind. Prometheus gauges are read from
+the latest snapshot when scraped.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from shoal import metrics
+from shoal.alerts import BehindDetector, metric_key
+from shoal.members import MemberState, Role
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.rpc import open_channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    wall: float
+    view_epoch: int
+    live_workers: int
+    live_ps: int
+    queue_depth: int
+    tasks_done: int
+    tasks_total: int
+    completed_epochs: int
+    epochs: int
+    samples: int
+    primaries: dict[int, str]                  # shard -> primary member id
+    addresses: dict[int, str]                  # shard -> primary address
+    expired: frozenset[tuple[str, str]]        # (member, role) of every member dropped without leaving
+    checkpoints: int
+    checkpoint_step: int
+    stragglers: dict[str, tuple[bool, int, float]] = field(default_factory=dict)
+
+
+def snapshot(state, wall: float) -> Snapshot:
+    """Reads what the watcher needs from a ChiefState (the caller holds the servicer's lock)."""
+    members = state.members
+    by_id = {m.member_id: m for m in members.alive()}
+    workers = members.alive(Role.WORKER)
+    slow = state.stragglers()
+    ckpt = state.checkpoints
+    tasks = state.tasks
+    return Snapshot(
+        wall=wall, view_epoch=state.epoch, live_workers=len(workers), live_ps=len(members.alive(Role.PS)),
+        queue_depth=tasks.depth, tasks_done=tasks.done_count, tasks_total=tasks.total,
+        completed_epochs=tasks.completed_epochs, epochs=tasks.spec.epochs if tasks.spec is not None else 0,
+        samples=state.totals().samples,
+        primaries=dict(state.routing),
+        addresses={k: by_id[mid].address for k, mid in state.routing.items() if mid in by_id},
+        expired=frozenset((m.member_id, m.role.value) for m in members.all() if m.state is MemberState.EXPIRED),
+        checkpoints=ckpt.written if ckpt is not None else 0,
+        checkpoint_step=ckpt.last_step if ckpt is not None else 0,
+        stragglers={m.member_id: (m.member_id in slow, m.counters.steps, state.step_seconds.get(m.member_id, 0.0))
+                    for m in workers})
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str          # view_change, failover, lease_expired, checkpoint, worker_behind
+    text: str
+    value: float = 0.0
+    member: str = ""
+
+
+class JobEvents:
+    """Pure: what changed between two snapshots, as events."""
+
+    def __init__(self) -> None:
+        self.prev: Snapshot | None = None
+        self.behind = BehindDetector()
+
+    def observe(self, s: Snapshot) -> list[Event]:
+        out: list[Event] = []
+        p = self.prev
+        self.prev = s
+        for alert in self.behind.observe(s.stragglers):
+            out.append(Event("worker_behind", alert.message(), alert.step, alert.member))
+        if p is None:
+            return out
+        if s.view_epoch != p.view_epoch:
+            out.append(Event("view_change", f"view epoch {p.view_epoch} -> {s.view_epoch}", s.view_epoch))
+        for k, mid in sorted(s.primaries.items()):
+            old = p.primaries.get(k)
+            if old and old != mid:
+                out.append(Event("failover", f"shard {k}: primary {old} -> {mid}", k, mid))
+        for member, role in sorted(s.expired - p.expired):
+            out.append(Event("lease_expired", f"{role} {member} dropped without leaving", 1, member))
+        if s.checkpoints > p.checkpoints:
+            out.append(Event("checkpoint", f"checkpoint at step {s.checkpoint_step}", s.checkpoint_step))
+        return out
+
+
+class ChiefWatch:
+    """The watcher thread: snapshots -> TensorBoard, Prometheus, alerts in the job metrics."""
+
+    def __init__(self, state, lock, *, tensorboard: str = "", interval_s: float = 1.0,
+                 versions_every_s: float = 3.0, report: Callable[[str, dict], None] | None = None,
+                 pauses: Callable[[], list[float]] | None = None):
+        self.state = state
+        self.lock = lock
+        self.tensorboard = tensorboard
+        self.interval_s = interval_s
+        self.versions_every_s = versions_every_s
+        self.events = JobEvents()
+        self.latest: Snapshot | None = None
+        self.versions: dict[int, int] = {}
+        self._report = report
+        self._pauses = pauses
+        self._writer = None
+        self._polls = 0
+        self._versions_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chief-telemetry", daemon=True)
+        metrics.register_state("chief", self._collect)
+
+    def start(self) -> "ChiefWatch":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - watching never takes the chief down
+                log.exception("chief telemetry failed; the chief goes on")
+
+    def poll(self) -> list[Event]:
+        with self.lock:
+            s = snapshot(self.state, time.time())
+        self.latest = s
+        now = time.monotonic()
+        if now - self._versions_at >= self.versions_every_s:
+            self._versions_at = now
+            self.versions = read_versions(s.addresses)
+        events = self.events.observe(s)
+        for e in events:
+            self._count(e)
+        self._write(s, events)
+        return events
+
+    def _count(self, e: Event) -> None:
+        if e.kind == "failover":
+            metrics.FAILOVERS.inc()
+        elif e.kind == "view_change":
+            metrics.VIEW_CHANGES.inc()
+        elif e.kind == "lease_expired":
+            role = e.text.split(" ", 1)[0]
+            metrics.LEASE_EXPIRATIONS.labels(role).inc()
+        elif e.kind == "worker_behind":
+            metrics.ALERTS.labels("worker_behind").inc()
+            log.warning("alert: %s", e.text)
+            if self._report is not None:
+                from shoal.alerts import Alert
+
+                key = metric_key(Alert("worker_behind", e.member, int(e.value), 0.0))
+                self._report(e.member, {key: e.value})
+        if e.kind in ("failover", "lease_expired"):
+            log.info("%s", e.text)
+
+    def _tb(self):
+        if self._writer is None and self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            try:
+                self._writer = SummaryWriter(log_dir=str(Path(self.tensorboard) / "chief"), flush_secs=5)
+            except OSError as exc:      # once: the chief goes on without TensorBoard
+                log.warning("cannot write TensorBoard events under %s (%s); going on without them",
+                            self.tensorboard, exc.strerror or exc)
+                self.tensorboard = ""
+        return self._writer
+
+    def _write(self, s: Snapshot, events: list[Event]) -> None:
+        w = self._tb()
+        if w is None:
+            return
+        self._polls += 1
+        step, t = self._polls, s.wall       # one step per poll (about a second); walltime is exact
+        w.add_scalar("cluster/live_workers", s.live_workers, step, walltime=t)
+        w.add_scalar("cluster/live_ps", s.live_ps, step, walltime=t)
+        w.add_scalar("cluster/view_epoch", s.view_epoch, step, walltime=t)
+        w.add_scalar("tasks/queue_depth", s.queue_depth, step, walltime=t)
+        w.add_scalar("tasks/done", s.tasks_done, step, walltime=t)
+        if s.tasks_total:
+            w.add_scalar("progress/epochs", s.epochs * s.tasks_done / s.tasks_total if s.epochs else 0.0,
+                         step, walltime=t)
+        w.add_scalar("progress/samples", s.samples, step, walltime=t)
+        for k, v in self.versions.items():
+            w.add_scalar(f"shards/version_{k}", v, step, walltime=t)
+        for e in events:
+            if e.kind == "checkpoint":
+                w.add_scalar("events/checkpoint_step", e.value, step, walltime=t)
+                if self._pauses is not None and self._pauses():
+                    w.add_scalar("events/checkpoint_held_ms", self._pauses()[-1] * 1e3, step, walltime=t)
+            elif e.kind in ("failover", "lease_expired", "worker_behind"):
+                w.add_scalar(f"events/{e.kind}", 1.0, step, walltime=t)
+            if e.kind != "view_change":
+                w.add_text("events", e.text, step, walltime=t)
+
+    def _collect(self):
+        s = self.latest
+        if s is None:
+            return
+        yield metrics.gauge("shoal_live_workers", "Workers holding a lease", values=s.live_workers)
+        yield metrics.gauge("shoal_live_parameter_servers", "Parameter servers holding a lease", values=s.live_ps)
+        yield metrics.gauge("shoal_queue_depth", "Data tasks waiting to be handed out", values=s.queue_depth)
+        yield metrics.gauge("shoal_tasks_done", "Data tasks finished", values=s.tasks_done)
+        yield metrics.gauge("shoal_tasks", "Data tasks in the whole job", values=s.tasks_total)
+        yield metrics.gauge("shoal_epochs_completed", "Epochs every task of which is done", values=s.completed_epochs)
+        yield metrics.gauge("shoal_view_epoch", "Epoch of the cluster view", values=s.view_epoch)
+        yield metrics.gauge("shoal_checkpoint_step", "Step of the newest committed checkpoint",
+                            values=s.checkpoint_step)
+        yield metrics.gauge("shoal_shard_version", "Version (updates applied) of each shard's primary",
+                            ["shard"], [([str(k)], v) for k, v in sorted(self.versions.items())])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        metrics.unregister_state("chief")
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_versions(addresses: dict[int, str], timeout_s: float = 1.0) -> dict[int, int]:
+    """Each shard's version, asked of its primary; shards that do not answer are left out."""
+    out = {}
+    for k, address in addresses.items():
+        ch = open_channel(address)
+        try:
+            st = pb_grpc.ParameterServerStub(ch).Status(pb.StatusRequest(shard=k, by_shard=True), timeout=timeout_s)
+            out[k] = st.version
+        except grpc.RpcError:
+            pass
+        finally:
+            ch.close()
+    return out

@@ -1,0 +1,39 @@
+"""A parameter server's Prometheus metrics, read from its :class:`~shoal.ps.host.ShardHost` when scraped.
+
+Nothing on the push path updates them: a scrape reads each held copy's version,
+size and push counts, and the host's byte counters (RPC latency and errors come
+from the interceptor every server has, :mod:`shoal.metrics`).
+"""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily
+
+from shoal import metrics
+
+
+def collector(host):
+    """The collect function for ``metrics.register_state``: one family per figure, labelled by shard and role."""
+
+    def collect():
+        copies = [(k, s, host.roles.get(k, "?")) for k, s in sorted(dict(host.shards).items())]
+        yield metrics.gauge("shoal_shard_version", "Updates applied to each shard copy this server holds",
+                            ["shard", "role"], [([str(k), r], s.version) for k, s, r in copies])
+        yield metrics.gauge("shoal_shard_bytes", "Bytes of each shard copy's fp32 weights",
+                            ["shard", "role"], [([str(k), r], 4 * s.numel) for k, s, r in copies])
+        applied = CounterMetricFamily("shoal_shard_pushes_applied", "Pushes a shard copy applied",
+                                      labels=["shard", "role"])
+        dropped = CounterMetricFamily("shoal_shard_pushes_dropped", "Pushes a shard copy dropped (late in a "
+                                      "sync round, refused)", labels=["shard", "role"])
+        for k, s, r in copies:
+            applied.add_metric([str(k), r], s.stats.pushes_applied)
+            dropped.add_metric([str(k), r], s.stats.pushes_dropped)
+        yield applied
+        yield dropped
+        received = CounterMetricFamily("shoal_ps_received_bytes", "Bytes of pushes this server received")
+        received.add_metric([], host.bytes_in)
+        yield received
+        sent = CounterMetricFamily("shoal_ps_sent_bytes", "Bytes of pulls this server sent")
+        sent.add_metric([], host.bytes_out)
+        yield sent
+
+    return collect

@@ -1,0 +1,33 @@
+"""The chief's watcher: which changes between two snapshots are events worth marking."""
+from __future__ import annotations
+
+import dataclasses
+
+from shoal.chief.telemetry import JobEvents, Snapshot
+
+BASE = Snapshot(wall=0.0, view_epoch=5, live_workers=2, live_ps=2, queue_depth=3, tasks_done=4, tasks_total=20,
+                completed_epochs=0, epochs=2, samples=100, primaries={0: "ps-0", 1: "ps-1"},
+                addresses={0: "h:1", 1: "h:2"}, expired=frozenset(), checkpoints=0, checkpoint_step=0,
+                stragglers={"worker-0": (False, 10, 0.1), "worker-1": (False, 10, 0.1)})
+
+
+def test_first_snapshot_is_no_event_and_a_quiet_one_neither():
+    ev = JobEvents()
+    assert ev.observe(BASE) == []
+    assert ev.observe(dataclasses.replace(BASE, tasks_done=6, samples=300)) == []
+
+
+def test_failover_expiry_checkpoint_view_change_and_straggler():
+    ev = JobEvents()
+    ev.observe(BASE)
+    later = dataclasses.replace(BASE, view_epoch=7, primaries={0: "ps-1", 1: "ps-1"},
+                                expired=frozenset({("ps-0", "ps")}), checkpoints=1, checkpoint_step=500,
+                                stragglers={"worker-0": (False, 30, 0.1), "worker-1": (True, 12, 0.6)})
+    got = {e.kind: e for e in ev.observe(later)}
+    assert set(got) == {"view_change", "failover", "lease_expired", "checkpoint", "worker_behind"}
+    assert got["failover"].text == "shard 0: primary ps-0 -> ps-1"
+    assert got["lease_expired"].text == "ps ps-0 dropped without leaving"
+    assert got["checkpoint"].value == 500
+    assert got["worker_behind"].member == "worker-1" and got["worker_behind"].value == 12
+    again = ev.observe(dataclasses.replace(later, samples=999))
+    assert again == []          # each occurrence once
