@@ -20,7 +20,7 @@ from shoal.checkpoint import open_checkpoint
 from shoal.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
 from shoal.ps.consistency import rule_for
 from shoal.ps.host import ShardHost
-from shoal.ps.shard import Shard
+from shoal.ps.shard import Shard, count_nonfinite
 from shoal.rpc import grpc_errors
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
         if state.version != request.version:
             raise FailedPrecondition(f"shard {request.shard} is at version {state.version}, not at the "
                                      f"checkpoint's {request.version} (did its freeze expire?)")
+        bad = count_nonfinite(state.values)
+        if bad:   # a checkpoint never holds a non-finite weight: the previous one stays the newest
+            raise FailedPrecondition(f"shard {request.shard} holds {bad} non-finite weight(s) (NaN/Inf) at "
+                                     f"version {state.version}; not written to the checkpoint")
         frozen = shard.thaw() if request.thaw else 0.0
         t0 = time.perf_counter()
         entry = write_shard_file(directory, state)

@@ -76,6 +76,8 @@ class ShardHost:
     def _place(self, s: Shard, role: str) -> None:
         """Installs a copy (lock held); a primary copy gets its replicator."""
         s.set_live_workers(self.live_workers)
+        if self.job is not None:
+            s.nonfinite = self.job.nonfinite
         self.shards[s.shard_id] = s
         self.roles[s.shard_id] = role
         if role == PRIMARY:

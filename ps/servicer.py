@@ -14,7 +14,7 @@ import torch
 
 from shoal.ps.host import ShardHost
 from shoal.ps.replication import install_from_frames, update_from_frames
-from shoal.ps.shard import Shard
+from shoal.ps.shard import Shard, count_nonfinite
 from shoal import frames, tokens
 from shoal.ps.ledger import BatchKey
 from shoal.config import OptimizerSpec
@@ -101,6 +101,10 @@ class DataServicer:
             values[head.offset:head.offset + n] = frames.fp32_from(payload, n)
         if first is None:
             raise InvalidArgument("Init carried no frames")
+        bad = count_nonfinite(values)
+        if bad:
+            raise InvalidArgument(f"Init of shard {first.shard}: the initial weights hold {bad} non-finite "
+                                  f"value(s) (NaN/Inf)")
         self.host.count(inbound=nbytes)
         spec = OptimizerSpec(first.optimizer.name or "sgd", dict(first.optimizer.hparams))
         shard, created = self.host.create(first.shard, values, spec, first.layout_fingerprint)
@@ -265,6 +269,6 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                               ledger=[pb.LedgerEpoch(epoch=e.epoch, applied=e.applied, max_count=e.max_count)
                                       for e in s.ledger_summary()], worker_clocks=s.worker_clocks(),
                               backup=r.backup if r else "", backup_state=r.state if r else "none",
-                              promotions=self.host.promotions,
+                              promotions=self.host.promotions, nonfinite_refused=s.nonfinite_counts(),
                               optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
                                                            hparams=dict(s.optimizer_spec.hparams)))

@@ -163,6 +163,7 @@ class LocalCluster:
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
+                                      "--nonfinite", job.nonfinite,
                                       "--journal", str(self._new_journal()), *self._checkpoint_args()])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)

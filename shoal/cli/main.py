@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
+from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
 
@@ -35,15 +35,19 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recovery", choices=RECOVERY, default=None,
                    help="a shard that lost every copy: consistent (default) rolls back to the newest checkpoint, "
                         "fast goes on from a worker's weights")
+    p.add_argument("--nonfinite", choices=NONFINITE, default=None,
+                   help="a gradient holding NaN/Inf is never applied: refuse (default; the worker fails after "
+                        "a few in a row), skip (counted in shoal status) or stop (the worker fails at once)")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery"}
+    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery", "nonfinite"}
     return from_sources(JobConfig, yaml_values={k: v for k, v in yaml_values.items() if k in job_keys},
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards,
-                             "replicas": args.replicas, "recovery": args.recovery})
+                             "replicas": args.replicas, "recovery": args.recovery,
+                             "nonfinite": args.nonfinite})
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
