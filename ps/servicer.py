@@ -15,16 +15,24 @@ import torch
 from shoal.ps.host import ShardHost
 from shoal.ps.replication import install_from_frames, update_from_frames
 from shoal.ps.shard import Shard, count_nonfinite
-from shoal import frames, tokens
+from shoal import auth, frames, tokens
 from shoal.ps.ledger import BatchKey
 from shoal.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import grpc_errors
+from shoal.rpc import grpc_errors, request_seconds
 from shoal.wire import DATA_SERVICE, decode_chunk, is_sparse, iter_chunks
 
 log = logging.getLogger(__name__)
+
+MAX_PULL_WAIT_S = 3600.0     # the longest a pull may wait for a version
+MAX_INSTALL_BYTES = 1 << 40  # a shard's copy (weights and optimizer state) is far below this
+
+
+def ps_guard(host: ShardHost) -> auth.Guard:
+    """Role checks on a ps: credentials verify with the key derived from the job's secret."""
+    return auth.Guard(lambda: auth.credential_key(host.secret) if host.secret else b"")
 
 
 class DataServicer:
@@ -32,6 +40,7 @@ class DataServicer:
 
     def __init__(self, host: ShardHost, pull_chunk_bytes: int = 1 << 20):
         self.host = host
+        self.guard = ps_guard(host)
         self.pull_chunk_bytes = pull_chunk_bytes
         self.offer = pb.DataChannelOffer()     # set by the ps once its TCP data channel listens
 
@@ -56,6 +65,7 @@ class DataServicer:
 
     @grpc_errors
     def Replicate(self, request_iterator: Iterator[bytes], context) -> bytes:
+        self.guard.require(context, auth.PS)
         sizes: list[int] = []
 
         def counted():
@@ -64,7 +74,8 @@ class DataServicer:
                 yield frame
 
         try:
-            head, update = update_from_frames(counted())
+            head, update = update_from_frames(counted(), lambda h: self.host.check_sender(h.shard, h.primary_id,
+                                                                                          h.shard_numel))
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.host.count(inbound=sum(sizes))
@@ -75,12 +86,18 @@ class DataServicer:
 
     @grpc_errors
     def Install(self, request_iterator: Iterator[bytes], context) -> bytes:
+        self.guard.require(context, auth.PS)
         try:
-            head, data = install_from_frames(request_iterator)
+            head, data = install_from_frames(request_iterator, self._check_install)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.host.count(inbound=len(data))
         return pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
+
+    def _check_install(self, head: pb.InstallHeader) -> None:
+        self.host.check_sender(head.shard, head.primary_id)
+        if not 0 < head.total_bytes <= MAX_INSTALL_BYTES:
+            raise InvalidArgument(f"a copy of {head.total_bytes} bytes (at most {MAX_INSTALL_BYTES})")
 
     @grpc_errors
     def Init(self, request_iterator: Iterator[bytes], context) -> bytes:
@@ -167,7 +184,8 @@ class DataServicer:
         if req.layout_fingerprint and req.layout_fingerprint != shard.fingerprint:
             raise FailedPrecondition(f"pull for layout {req.layout_fingerprint}; shard holds {shard.fingerprint}")
         if req.min_version > shard.version:
-            shard.wait_version(req.min_version, req.timeout_seconds or 30.0)
+            shard.wait_version(req.min_version, request_seconds(req.timeout_seconds, "Pull timeout_seconds", 30.0,
+                                                                MAX_PULL_WAIT_S))
         return req, shard
 
     def _pull_frames(self, request: bytes, chunk_bytes: int) -> list[bytes]:

@@ -23,6 +23,7 @@ from typing import IO
 
 import grpc
 
+from shoal import auth
 from shoal.config import JobConfig
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
@@ -62,6 +63,7 @@ class LocalConfig:
     checkpoint_interval: str = ""
     keep_checkpoints: int = 3
     drain_s: float = 60.0              # after our workers end: how long workers that joined from outside may take
+    secure: bool = False               # a job token in the run dir (unless one is given) for every role
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -125,6 +127,11 @@ class LocalCluster:
         self.children: dict[str, Child] = {}
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="shoal-local-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.secure and auth.job_token() is None:
+            path = auth.write_token_file(self.run_dir / "job.token")
+            os.environ[auth.TOKEN_ENV] = str(path)      # every role started from here reads it
+            auth.reset()
+            auth.job_token()
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         self.restarts: dict[str, int] = {}
@@ -395,7 +402,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
 
 def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
     summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
-                     "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes}
+                     "authenticated": auth.job_token() is not None, "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes}
     if stats is not None:
         summary.update(steps=stats.totals.steps, samples=stats.totals.samples,
                        bytes_pushed=stats.totals.bytes_pushed, bytes_pulled=stats.totals.bytes_pulled,

@@ -15,6 +15,7 @@ import grpc
 
 from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
+from shoal.cli import security
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
@@ -92,6 +93,7 @@ def cmd_chief(args: argparse.Namespace) -> int:
     from shoal.chief.server import ChiefServer
 
     job = _job_from(args, args.num_shards)
+    security.warn_if_exposed("shoal chief", args.bind)
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
                          checkpoint=_checkpoint_from(args)).start()
     _write_port(args.port_file, server.port)
@@ -121,6 +123,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     if not 0 <= args.data_port <= 65535:
         raise InvalidArgument(f"--data-port must be a port number (0: any free one), got {args.data_port}")
+    security.warn_if_exposed("shoal ps", args.bind)
     server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
                       data_port=None if args.no_data_channel else args.data_port).start()
     _write_port(args.port_file, server.port)
@@ -159,7 +162,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
-                      keep_checkpoints=args.keep_checkpoints)
+                      keep_checkpoints=args.keep_checkpoints, secure=args.secure)
     return run_local(cfg)
 
 
@@ -191,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chief", help="run the chief (membership, data tasks, routing)")
-    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:7070"))
+    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
+                   help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
+    security.add_token_arg(p)
     p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
@@ -211,11 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="print the job at a glance")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    security.add_token_arg(p)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
-    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:0"))
+    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:0"),
+                   help="address to listen on (default loopback; 0.0.0.0:PORT for every interface)")
+    security.add_token_arg(p)
     p.add_argument("--advertise", default=os.environ.get("SHOAL_ADVERTISE", ""),
                    help="host name workers use to reach this server (default: bind host or hostname)")
     p.add_argument("--data-port", type=int, default=os.environ.get("SHOAL_DATA_PORT", "0"),
@@ -243,8 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--drain-seconds", type=float, default=60.0,
                            help="after the script's workers end, wait this long for workers that joined "
                                 "from outside to leave before stopping the servers")
+            p.add_argument("--secure", action="store_true",
+                           help="generate a job token in the run dir and give it to every role")
             _job_args(p)
             _checkpoint_args(p)
+        security.add_token_arg(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
         p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))
         p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
@@ -261,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level)
     tune_malloc()
     try:
+        security.apply(args)
         return args.func(args)
     except ShoalError as exc:
         print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
