@@ -22,7 +22,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from shoal import auth, frames
+from shoal import auth, frames, tls
 from shoal import tcp_channel as tc
 from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.proto import shoal_pb2 as pb
@@ -122,8 +122,15 @@ class DataChannelServer:
             threading.Thread(target=self._serve, args=(conn, peer), name="tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        member = ""
+        member, raw = "", conn
         try:
+            ctx = tls.context("server")
+            if ctx is not None:       # the handshake counts against the HELLO's deadline
+                conn.settimeout(self.hello_timeout_s)
+                conn = ctx.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
             # a peer that is not one of ours is not waited for, however slowly it trickles bytes
             kind, head, body_len = tc.recv_prefix(conn, tc.MAX_HELLO, time.monotonic() + self.hello_timeout_s)
             ticket, member, credential = tc.parse_hello(head) if kind == tc.HELLO else (b"", "", "")
@@ -148,6 +155,7 @@ class DataChannelServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
 
     def _may_replicate(self, credential: str) -> bool:

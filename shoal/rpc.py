@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from google.protobuf.message import DecodeError
 
-from shoal import auth
+from shoal import auth, tls
 from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ def create_server(address: str, max_workers: int = 64) -> tuple[grpc.Server, int
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="grpc"),
                          options=SERVER_OPTIONS, interceptors=interceptors)
-    port = server.add_insecure_port(address)
+    cfg = tls.config()
+    port = server.add_secure_port(address, cfg.server_credentials()) if cfg.serves else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
     health_servicer = health.HealthServicer()
@@ -76,7 +77,10 @@ def set_serving(health_servicer: health.HealthServicer, service: str, serving: b
 def open_channel(address: str, credential: Callable[[], str] | None = None) -> grpc.Channel:
     """A channel to ``address`` that sends the job token (and ``credential()``, the caller's member
     credential) with every call when the process has a token (:mod:`shoal.auth`)."""
-    return auth.authenticated(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), credential)
+    cfg = tls.config()
+    channel = grpc.secure_channel(address, cfg.channel_credentials(), options=CHANNEL_OPTIONS) if cfg.enabled \
+        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return auth.authenticated(channel, credential)
 
 
 class _Undecodable:

@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 import grpc
 
 from shoal import tcp_channel as tc
+from shoal import tls
 from shoal.proto import shoal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class TcpDataChannel:
         sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
         try:
             tc.tune(sock)
+            ctx = tls.context("client")
+            if ctx is not None:       # checks the ps's certificate against --tls-ca and the host it was reached at
+                sock = ctx.wrap_socket(sock, server_hostname=self.host)
             tc.send(sock, tc.HELLO, tc.hello(self.ticket, self.member_id(), self.credential()))
             kind, _, _ = tc.recv_prefix(sock)
             if kind != tc.OK:
