@@ -18,7 +18,7 @@ from shoal.ps.shard import Shard, count_nonfinite
 from shoal import auth, frames, tokens
 from shoal.ps.ledger import BatchKey
 from shoal.config import OptimizerSpec
-from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors, request_seconds
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_PULL_WAIT_S = 3600.0     # the longest a pull may wait for a version
 MAX_INSTALL_BYTES = 1 << 40  # a shard's copy (weights and optimizer state) is far below this
+MAX_SHARD_NUMEL = 1 << 36    # elements of one shard (256 GiB of fp32): a larger Init is refused unread
 
 
 def ps_guard(host: ShardHost) -> auth.Guard:
@@ -99,6 +100,17 @@ class DataServicer:
         if not 0 < head.total_bytes <= MAX_INSTALL_BYTES:
             raise InvalidArgument(f"a copy of {head.total_bytes} bytes (at most {MAX_INSTALL_BYTES})")
 
+    def _check_init(self, head: pb.InitHeader) -> None:
+        """Before a shard's memory is reserved: a size in range, a shard this ps serves, not another layout."""
+        if not 0 <= head.numel <= MAX_SHARD_NUMEL:
+            raise InvalidArgument(f"a shard of {head.numel} elements (at most {MAX_SHARD_NUMEL})")
+        existing = self.host.shards.get(head.shard)
+        if existing is not None and (existing.numel, existing.fingerprint) != (head.numel, head.layout_fingerprint):
+            raise FailedPrecondition(f"shard {head.shard} holds model layout {existing.fingerprint} of "
+                                     f"{existing.numel} elements, not {head.layout_fingerprint} of {head.numel}")
+        if existing is None and head.shard not in self.host.assigned:
+            raise Unavailable(f"shard {head.shard} is not assigned to this parameter server (yet)")
+
     @grpc_errors
     def Init(self, request_iterator: Iterator[bytes], context) -> bytes:
         first, values, nbytes = None, None, 0
@@ -107,9 +119,11 @@ class DataServicer:
             head, payload = frames.unpack(frame, pb.InitHeader)
             if first is None:
                 first = head
-                if head.numel < 0:
-                    raise InvalidArgument(f"negative shard size {head.numel}")
-                values = torch.empty(head.numel, dtype=torch.float32)
+                self._check_init(head)
+                try:
+                    values = torch.empty(head.numel, dtype=torch.float32)
+                except (RuntimeError, MemoryError):
+                    raise ResourceExhausted(f"cannot allocate shard {head.shard} of {head.numel} elements") from None
             elif (head.shard, head.numel, head.layout_fingerprint) != (first.shard, first.numel, first.layout_fingerprint):
                 raise InvalidArgument("Init frames disagree on shard, size or layout")
             n = len(payload) // 4

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import logging
 import random
 import time
@@ -34,7 +35,21 @@ CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-SERVER_OPTIONS = MESSAGE_OPTIONS + [
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidArgument(f"{name}={raw!r} must be a positive integer")
+    return int(raw)
+
+
+# What a server takes from anyone before it knows who they are: one message (a frame; tensors travel
+# in chunks far below this) and concurrent calls per connection. Settable for unusual jobs.
+MAX_MESSAGE_MB = _env_int("SHOAL_MAX_MESSAGE_MB", 256)
+MAX_STREAMS = _env_int("SHOAL_MAX_STREAMS", 1024)
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_MB << 20),
+    ("grpc.max_concurrent_streams", MAX_STREAMS),
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -23,7 +23,8 @@ from typing import IO
 
 import grpc
 
-from shoal import auth
+from shoal import auth, tls
+from shoal.cli.certs import make_local_pki
 from shoal.config import JobConfig
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
@@ -127,16 +128,27 @@ class LocalCluster:
         self.children: dict[str, Child] = {}
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="shoal-local-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.secure and auth.job_token() is None:
-            path = auth.write_token_file(self.run_dir / "job.token")
-            os.environ[auth.TOKEN_ENV] = str(path)      # every role started from here reads it
-            auth.reset()
-            auth.job_token()
+        if cfg.secure:
+            self._secure()
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         self.restarts: dict[str, int] = {}
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
+
+    def _secure(self) -> None:
+        """A job token and mutual TLS for every role started from here (their files in the run dir),
+        unless the command line already gave them."""
+        if auth.job_token() is None:
+            os.environ[auth.TOKEN_ENV] = str(auth.write_token_file(self.run_dir / "job.token"))
+            auth.reset()
+            auth.job_token()
+        if not tls.config().enabled:
+            for name, path in make_local_pki(self.run_dir / "tls").items():
+                os.environ[tls.ENV[name]] = path
+            os.environ[tls.ENV["mutual"]] = "1"
+            tls.reset()
+            tls.config()
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
@@ -402,7 +414,8 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
 
 def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
     summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
-                     "authenticated": auth.job_token() is not None, "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes}
+                     "authenticated": auth.job_token() is not None, "tls": tls.config().enabled,
+                     "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes}
     if stats is not None:
         summary.update(steps=stats.totals.steps, samples=stats.totals.samples,
                        bytes_pushed=stats.totals.bytes_pushed, bytes_pulled=stats.totals.bytes_pulled,
