@@ -203,3 +203,22 @@ def test_garbage_and_huge_waits_are_invalid_argument_never_internal(secure, capl
     assert not any(r.levelname == "ERROR" for r in caplog.records)
     refusals = [r for r in caplog.records if "refused" in r.getMessage()]
     assert 1 <= len(refusals) <= 3                              # rate-limited, not one per call
+
+
+def test_a_message_over_the_cap_is_refused_before_it_reaches_a_servicer(monkeypatch):
+    from shoal import rpc
+
+    options = [o for o in rpc.SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    monkeypatch.setattr(rpc, "SERVER_OPTIONS", options + [("grpc.max_receive_message_length", 1 << 20)])
+    server, port, _ = rpc.create_server("127.0.0.1:0")
+    server.start()
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=rpc.MESSAGE_OPTIONS)
+        check = health_pb2_grpc.HealthStub(ch).Check
+        assert code_of(lambda: check(health_pb2.HealthCheckRequest(service="x" * (2 << 20)), timeout=5)) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        ch.close()
+    finally:
+        server.stop(0)
