@@ -195,6 +195,11 @@ class RateLimitedLog:
         self._last: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
+    def reset(self) -> None:
+        """Forgets what was logged: the next event of each kind is logged (tests)."""
+        with self._lock:
+            self._last.clear()
+
     def warning(self, kind: str, msg: str, *args) -> None:
         now = time.monotonic()
         with self._lock:

@@ -166,7 +166,7 @@ def test_a_peer_that_trickles_its_hello_is_cut_off(secure):
                     break
             except (socket.timeout, BlockingIOError):
                 pass
-    assert closed and time.monotonic() - t0 < 3
+    assert closed and time.monotonic() - t0 < 4.5         # cut after 0.5 s, not after the 6 s the bytes take
 
 
 @pytest.mark.parametrize("address", ["x" * 300 + ":1", "../../etc/passwd", "host:99999", ""])
@@ -190,6 +190,7 @@ def test_a_join_under_another_members_id_gets_its_own(secure):
 
 def test_garbage_and_huge_waits_are_invalid_argument_never_internal(secure, caplog):
     c, _, _ = secure
+    auth.REFUSALS.reset()                       # earlier tests' refusals must not silence these
     ch = channel(c.chief_address)
     garbage = ch.unary_unary("/shoal.Chief/Join")               # bytes that are no JoinRequest
     for _ in range(5):
