@@ -17,6 +17,7 @@ is the bottleneck.
 
     .venv/bin/python bench/mlp.py [--seconds 10] [--rounds 3] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
     .venv/bin/python bench/mlp.py --link 1gbit --codecs none bf16 topk --also bf16/bf16 topk/bf16 --replicated
+    .venv/bin/python bench/mlp.py --seconds 4 --rounds 1 --codecs none --also --security none token tls
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import _security
 from _hosts import Placement, enter
 
 ROLES = ["chief", "ps0", "ps1", "w0", "w1", "r0", "r1"]
@@ -154,6 +156,8 @@ def main() -> None:
     p.add_argument("--replicated", nargs="*", default=["none"],
                    help="codecs to run once more with every shard replicated (--replicas 2)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of DDP + every case; medians are reported")
+    p.add_argument("--security", nargs="+", default=["none"], choices=_security.MODES,
+                   help="run every shoal case once per mode (token; tls: token and mutual TLS)")
     p.add_argument("--link", metavar="RATE", help="run every process on its own emulated host whose link is "
                                                    "shaped to RATE each way (tc syntax, e.g. 1gbit; needs root)")
     args = p.parse_args()
@@ -167,22 +171,25 @@ def run_cases(args: argparse.Namespace, place: Placement) -> None:
     """Each round runs DDP and then every case; a case's ratio is to the DDP of its own round, and the
     median over rounds is reported (this host's speed drifts by a third between minutes)."""
     link = {"link": args.link or "loopback"}
-    cases = [(c, 1) for c in args.codecs + args.also] + [(c, 2) for c in args.replicated]
+    cases = [(c, 1, m) for c in args.codecs + args.also for m in args.security] + \
+        [(c, 2, m) for c in args.replicated for m in args.security]
     ddp_rates: list[float] = []
-    runs: dict[tuple[str, int], list] = {case: [] for case in cases}
+    runs: dict[tuple[str, int, str], list] = {case: [] for case in cases}
     for _ in range(args.rounds):
         ddp = run_ddp(args.seconds, place)
         ddp_rates.append(ddp)
-        for spec, replicas in cases:
+        for spec, replicas, mode in cases:
             codec, _, pull_codec = spec.partition("/")
+            _security.use(mode)
             (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas)
-            runs[(spec, replicas)].append((rate / ddp, rate, pushed, pulled, cores))
+            runs[(spec, replicas, mode)].append((rate / ddp, rate, pushed, pulled, cores))
+        _security.use("none")
     print(json.dumps({"case": "ddp-gloo", "workers": 2, **link, "steps_per_s": round(statistics.median(ddp_rates), 2),
                       "steps_per_s_per_round": [round(r, 2) for r in ddp_rates]}), flush=True)
-    for (spec, replicas), results in runs.items():
+    for (spec, replicas, mode), results in runs.items():
         codec, _, pull_codec = spec.partition("/")
         name = f"shoal-async-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
-            ("-replicated" if replicas == 2 else "")
+            ("-replicated" if replicas == 2 else "") + ("" if mode == "none" else f"-{mode}")
         ratio, rate, pushed, pulled, cores = sorted(results, key=lambda r: r[0])[len(results) // 2]
         print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, **link,
                           "steps_per_s": round(rate, 2), "push_bytes_per_step": int(pushed),

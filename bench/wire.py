@@ -7,7 +7,10 @@ data channel (the default) and gRPC, with shards not replicated (the raw TCP
 side keeps no second copy either), then replicated. Steps after ``--warmup`` are timed: the
 first few grow every process's heap to its working set (page faults).
 
-    .venv/bin/python bench/wire.py [--mb 64] [--reps 10] [--warmup 3]
+    .venv/bin/python bench/wire.py [--mb 64] [--reps 10] [--warmup 3] [--security none token tls]
+
+``--security``: each case once per mode, back to back (``token``: a job token; ``tls``: token and
+mutual TLS on gRPC and the data channel), with the ratio to the same case without security.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import statistics
 import time
 
 import torch
+
+import _security
 
 
 def _tcp_echo_server(port_q: mp.Queue, nbytes: int, reps: int) -> None:
@@ -92,6 +97,8 @@ def main() -> None:
     p.add_argument("--replicated", nargs="*", default=["tcp"], choices=["tcp", "grpc"],
                    help="transports to run once more with each shard replicated on the other ps (its "
                         "forwarding is not part of the bytes counted)")
+    p.add_argument("--security", nargs="+", default=["none"], choices=_security.MODES,
+                   help="run each case once per mode, back to back")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     nbytes = args.mb << 20
@@ -101,12 +108,19 @@ def main() -> None:
                       "gb_per_s": round(tcp_gbps, 3)}), flush=True)
     cases = [(t, 1) for t in args.transports] + [(t, 2) for t in args.replicated]
     for transport, replicas in cases:
-        times, moved = shoal_steps(args.mb, args.reps, args.warmup, transport, replicas)
-        gbps = moved / statistics.median(times) / 1e9
-        name = f"shoal-push-pull-{transport}" + ("-replicated" if replicas == 2 else "")
-        print(json.dumps({"case": name, "mb": args.mb, "shards": 2, "replicas": replicas,
-                          "median_s": round(statistics.median(times), 4), "bytes_per_step": moved,
-                          "gb_per_s": round(gbps, 3), "ratio_vs_tcp": round(gbps / tcp_gbps, 3)}), flush=True)
+        plain = None
+        for mode in args.security:
+            _security.use(mode)
+            times, moved = shoal_steps(args.mb, args.reps, args.warmup, transport, replicas)
+            gbps = moved / statistics.median(times) / 1e9
+            plain = gbps if mode == "none" or plain is None else plain
+            name = f"shoal-push-pull-{transport}" + ("-replicated" if replicas == 2 else "") + \
+                ("" if mode == "none" else f"-{mode}")
+            print(json.dumps({"case": name, "mb": args.mb, "shards": 2, "replicas": replicas, "security": mode,
+                              "median_s": round(statistics.median(times), 4), "bytes_per_step": moved,
+                              "gb_per_s": round(gbps, 3), "ratio_vs_tcp": round(gbps / tcp_gbps, 3),
+                              "ratio_vs_no_security": round(gbps / plain, 3)}), flush=True)
+        _security.use("none")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.checkpoint import Checkpoint, load_latest
 from shoal.checkpoint_store import CheckpointWriter, ckpt_dir_name
+from shoal import auth
 from shoal.rpc import open_channel
 
 if TYPE_CHECKING:
@@ -180,9 +181,9 @@ def resume(state: "ChiefState", cfg: CheckpointConfig, recovered: bool = False) 
 class ShardControlClient:
     """The chief's handle on one primary: its version (Status) and Freeze / WriteShard / Thaw."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, credential: Callable[[], str] | None = None):
         self.address = address
-        self.channel = open_channel(address)
+        self.channel = open_channel(address, credential)
         self._status = pb_grpc.ParameterServerStub(self.channel)
         self._control = pb_grpc.ShardControlStub(self.channel)
 
@@ -230,7 +231,8 @@ class Checkpointer:
         self.cfg = cfg
         self.status: CheckpointStatus = state.checkpoints or CheckpointStatus()
         self.writer = CheckpointWriter(cfg.directory, cfg.keep)
-        self._connect = connect
+        self._connect = connect if connect is not ShardControlClient else \
+            (lambda address: ShardControlClient(address, self._operator_credential))
         self._clock = clock
         self._clients: dict[str, ShardControlClient] = {}
         self._base_step = self.status.last_step      # the next checkpoint is due an interval after this
@@ -361,6 +363,10 @@ class Checkpointer:
                             r.shard, r.address, _describe(exc), self.cfg.hold_s)
 
     # ------------------------------------------------------------ plumbing
+
+    def _operator_credential(self) -> str:
+        """Freeze, WriteShard and Thaw are the operator's: the chief signs its own credential."""
+        return auth.issue(auth.credential_key(self.state.secret), auth.OPERATOR_ID, auth.OPERATOR)
 
     def _client(self, address: str) -> ShardControlClient:
         c = self._clients.get(address)

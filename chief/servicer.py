@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from typing import Iterator
 
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
-from shoal import convert
+from shoal import auth, convert
 from shoal.errors import InvalidArgument, Unavailable
 from shoal.members import Role
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import grpc_errors, probe
+from shoal.rpc import check_address, grpc_errors, probe
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self._dirty = False
         self._last_write = float("-inf")
         self._cond = threading.Condition()
+        self.guard = auth.Guard(self._credential_key)
+
+    def _credential_key(self) -> bytes:
+        return auth.credential_key(self.state.secret)
 
     @property
     def lock(self) -> threading.Condition:
@@ -96,6 +101,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     def ReportUnreachable(self, request, context):
         """A member could not reach another. A ps: probe it ourselves; if it does not answer, end its
         lease now. A worker (a ps saw its data connection drop): end it if its view watch broke too."""
+        self.guard.require(context, auth.PS, auth.WORKER, member=request.reporter_id)
         with self._locked():
             m = self.state.members.find(request.member_id)
             if m is not None and m.live and m.role is Role.WORKER:
@@ -122,14 +128,19 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def Join(self, request, context):
+        if request.role == pb.PS:
+            check_address(request.address)
+        member_id = request.member_id
+        if member_id and not self.guard.speaks_for(context, member_id):
+            member_id = ""      # only the member itself re-attaches under its id; anyone else joins anew
         with self._locked():
             if request.role == pb.WORKER:
-                m = self.state.join_worker(convert.layout_from_pb(request.layout), request.host, request.member_id)
+                m = self.state.join_worker(convert.layout_from_pb(request.layout), request.host, member_id)
                 shard = -1
             elif request.role == pb.PS:
                 if not request.address:
                     raise InvalidArgument("a parameter server must give the address it serves on")
-                m, shard = self.state.join_ps(request.address, request.host, request.member_id)
+                m, shard = self.state.join_ps(request.address, request.host, member_id)
             else:
                 raise InvalidArgument(f"unknown role {request.role}")
             self._save(f"join {m.member_id}" + (f" (shard {shard})" if request.role == pb.PS else ""))
@@ -138,10 +149,13 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
                                 view=self._view(), shard=shard,
                                 job_secret=self.state.secret if request.role == pb.PS else b"",
-                                restore_checkpoint=ckpts.restore_path() if ckpts and shard >= 0 else "")
+                                restore_checkpoint=ckpts.restore_path() if ckpts and shard >= 0 else "",
+                                credential=auth.issue(self._credential_key(), m.member_id,
+                                                      auth.PS if request.role == pb.PS else auth.WORKER))
 
     @grpc_errors
     def Heartbeat(self, request, context):
+        self.guard.require(context, auth.PS, auth.WORKER, member=request.member_id)
         with self._locked():
             mid = request.member_id
             m = self.state.members.find(mid)
@@ -155,6 +169,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def Leave(self, request, context):
+        self.guard.require(context, auth.PS, auth.WORKER, member=request.member_id)
         with self._locked():
             self.state.leave(request.member_id, convert.counters_from_pb(request.counters))
             self._save(f"leave {request.member_id}")
@@ -163,7 +178,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def GetView(self, request, context):
-        deadline = time.monotonic() + min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
+        deadline = time.monotonic() + (min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
+                                       if math.isfinite(request.timeout_seconds) else 0.0)
         answered = []
         if request.member_id and context is not None:
             # A watch that breaks off before its answer means the process (or its socket) is gone: cut
@@ -195,6 +211,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def GetTasks(self, request, context):
+        self.guard.require(context, auth.WORKER, member=request.member_id)
         spec = convert.dataset_from_pb(request.dataset) if request.HasField("dataset") else None
         dropped = tuple((b.epoch, b.start, b.stop) for b in request.dropped)
         with self._locked():
@@ -214,6 +231,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def ReportMetrics(self, request, context):
+        self.guard.require(context, auth.PS, auth.WORKER, member=request.member_id)
         with self._locked():
             self.state.report(request.member_id, dict(request.values))
             self._save(f"metrics from {request.member_id}: {', '.join(sorted(request.values))}")

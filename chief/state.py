@@ -57,7 +57,9 @@ class ChiefState:
                 self.checkpoints.check_layout(layout)   # resuming: the model must match the checkpoint
             self.layout = layout
         elif layout != self.layout:
-            raise FailedPrecondition("model layout differs from the job's: " + "; ".join(self.layout.diff(layout)))
+            log.warning("refused a worker join from %s: model layout differs from the job's: %s", host or "?",
+                        "; ".join(self.layout.diff(layout)))
+            raise FailedPrecondition(self.layout.refusal(layout))
         m = self.members.join(Role.WORKER, host=host, member_id=member_id)
         self._changed(f"worker {m.member_id} joined")
         return m

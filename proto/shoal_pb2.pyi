@@ -37,7 +37,7 @@ class ModelLayout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds", "replicas", "recovery")
+    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds", "replicas", "recovery", "nonfinite")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class JobConfig(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     backup_workers: int
     staleness: int
@@ -52,7 +53,8 @@ class JobConfig(_message.Message):
     lease_seconds: float
     replicas: int
     recovery: str
-    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., recovery: _Optional[str] = ...) -> None: ...
+    nonfinite: str
+    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., recovery: _Optional[str] = ..., nonfinite: _Optional[str] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("steps", "samples", "bytes_pushed", "bytes_pulled")
@@ -133,20 +135,22 @@ class ClusterView(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("member_id", "lease_seconds", "view", "shard", "job_secret", "restore_checkpoint")
+    __slots__ = ("member_id", "lease_seconds", "view", "shard", "job_secret", "restore_checkpoint", "credential")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     RESTORE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_seconds: float
     view: ClusterView
     shard: int
     job_secret: bytes
     restore_checkpoint: str
-    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., job_secret: _Optional[bytes] = ..., restore_checkpoint: _Optional[str] = ...) -> None: ...
+    credential: str
+    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., job_secret: _Optional[bytes] = ..., restore_checkpoint: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class TaskProgress(_message.Message):
     __slots__ = ("task_id", "next_start")
@@ -472,8 +476,15 @@ class DataChannelOffer(_message.Message):
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions", "optimizer")
+    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions", "optimizer", "nonfinite_refused")
     class WorkerClocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class NonfiniteRefusedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +507,7 @@ class ShardStatus(_message.Message):
     BACKUP_STATE_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_REFUSED_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -512,7 +524,8 @@ class ShardStatus(_message.Message):
     backup_state: str
     promotions: int
     optimizer: OptimizerConfig
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ...) -> None: ...
+    nonfinite_refused: _containers.ScalarMap[str, int]
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., nonfinite_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class LedgerEpoch(_message.Message):
     __slots__ = ("epoch", "applied", "max_count")

@@ -19,19 +19,23 @@ from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.checkpoint import open_checkpoint
 from shoal.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
 from shoal.ps.consistency import rule_for
+from shoal import auth
 from shoal.ps.host import ShardHost
-from shoal.ps.shard import Shard
-from shoal.rpc import grpc_errors
+from shoal.ps.servicer import ps_guard
+from shoal.ps.shard import Shard, count_nonfinite
+from shoal.rpc import grpc_errors, request_seconds
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FREEZE_TIMEOUT_S = 10.0
 DEFAULT_HOLD_S = 30.0
+MAX_FREEZE_S = 600.0           # the longest freeze timeout or hold a request may ask for
 
 
 class ShardControlServicer(pb_grpc.ShardControlServicer):
     def __init__(self, host: ShardHost):
         self.host = host
+        self.guard = ps_guard(host)
 
     @grpc_errors
     def Digest(self, request, context):
@@ -45,13 +49,17 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
 
     @grpc_errors
     def Freeze(self, request, context):
+        self.guard.require(context, auth.OPERATOR)
+        timeout_s = request_seconds(request.timeout_seconds, "Freeze timeout_seconds", DEFAULT_FREEZE_TIMEOUT_S,
+                                    MAX_FREEZE_S)
+        hold_s = request_seconds(request.hold_seconds, "Freeze hold_seconds", DEFAULT_HOLD_S, MAX_FREEZE_S)
         shard = self.host.get(request.shard)
-        version = shard.freeze(request.target_version, request.timeout_seconds or DEFAULT_FREEZE_TIMEOUT_S,
-                               request.hold_seconds or DEFAULT_HOLD_S)
+        version = shard.freeze(request.target_version, timeout_s, hold_s)
         return pb.FreezeReply(version=version)
 
     @grpc_errors
     def WriteShard(self, request, context):
+        self.guard.require(context, auth.OPERATOR)
         shard = self.host.get(request.shard)
         directory = _pending_dir(request.directory)
         if request.layout_fingerprint and request.layout_fingerprint != shard.fingerprint:
@@ -64,6 +72,10 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
         if state.version != request.version:
             raise FailedPrecondition(f"shard {request.shard} is at version {state.version}, not at the "
                                      f"checkpoint's {request.version} (did its freeze expire?)")
+        bad = count_nonfinite(state.values)
+        if bad:   # a checkpoint never holds a non-finite weight: the previous one stays the newest
+            raise FailedPrecondition(f"shard {request.shard} holds {bad} non-finite weight(s) (NaN/Inf) at "
+                                     f"version {state.version}; not written to the checkpoint")
         frozen = shard.thaw() if request.thaw else 0.0
         t0 = time.perf_counter()
         entry = write_shard_file(directory, state)
@@ -76,6 +88,7 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
 
     @grpc_errors
     def Thaw(self, request, context):
+        self.guard.require(context, auth.OPERATOR)
         shard = self.host.shards.get(request.shard)
         return pb.ThawReply(frozen_seconds=shard.thaw() if shard is not None else 0.0)
 

@@ -15,7 +15,7 @@ import threading
 import torch
 
 from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import NOT_PRIMARY, FailedPrecondition, NotFound, Unavailable
+from shoal.errors import NOT_PRIMARY, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import rule_for
 from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, replica_from_bytes
@@ -40,6 +40,7 @@ class ShardHost:
         self.primary_of: dict[int, str] = {}          # from the latest view
         self.live_workers: frozenset[str] = frozenset()
         self.secret: bytes = b""
+        self.credential = ""          # this ps's member credential from the chief (shoal.auth)
         self.completed_epochs = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -76,6 +77,8 @@ class ShardHost:
     def _place(self, s: Shard, role: str) -> None:
         """Installs a copy (lock held); a primary copy gets its replicator."""
         s.set_live_workers(self.live_workers)
+        if self.job is not None:
+            s.nonfinite = self.job.nonfinite
         self.shards[s.shard_id] = s
         self.roles[s.shard_id] = role
         if role == PRIMARY:
@@ -84,7 +87,8 @@ class ShardHost:
     def _replicator(self, shard: int) -> Replicator:
         r = self.replicators.get(shard)
         if r is None:
-            r = Replicator(shard, lambda: self.member_id, lambda: self._primary_copy(shard))
+            r = Replicator(shard, lambda: self.member_id, lambda: self._primary_copy(shard),
+                           credential=lambda: self.credential)
             self.replicators[shard] = r
         return r
 
@@ -134,6 +138,19 @@ class ShardHost:
             raise FailedPrecondition(f"shard {shard}'s {FENCED} {known}, not {primary_id}")
         if self.roles.get(shard) == PRIMARY and shard in self.shards:
             raise FailedPrecondition(f"shard {shard}'s {FENCED} {self.member_id} (this ps), not {primary_id}")
+
+    def check_sender(self, shard: int, primary_id: str, numel: int | None = None) -> None:
+        """Refuses, before anything is allocated for it, a copy or (with ``numel``) an update that the
+        view says ``primary_id`` may not send, or whose size is not this copy's."""
+        with self._lock:
+            self._check_sender(shard, primary_id)
+            s = self.shards.get(shard)
+        if numel is None:
+            return
+        if s is None:
+            raise FailedPrecondition(f"no copy of shard {shard} here: {NEEDS_COPY}")
+        if numel != s.numel:
+            raise InvalidArgument(f"an update of {numel} elements for shard {shard}, which has {s.numel}")
 
     def replicate(self, head: pb.ReplicateHeader, u: Update) -> int:
         with self._lock:

@@ -65,11 +65,14 @@ def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> l
             return out
 
 
-def update_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.ReplicateHeader, Update]:
+def update_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.ReplicateHeader], None] = lambda h: None
+                       ) -> tuple[pb.ReplicateHeader, Update]:
+    """``check(first header)`` may refuse the update before its gradient is allocated."""
     first, grad, covered = None, None, 0
     for frame in frame_iter:
         head, payload = frames.unpack(frame, pb.ReplicateHeader)
         if first is None:
+            check(head)
             first = head
             grad = torch.empty(head.shard_numel, dtype=torch.float32)
         if (head.shard, head.version, head.shard_numel) != (first.shard, first.version, first.shard_numel) \
@@ -123,11 +126,14 @@ def install_frames(shard: int, primary_id: str, version: int, fingerprint: str, 
         yield frames.pack(head, data[off:off + chunk_bytes])
 
 
-def install_from_frames(frame_iter: Iterator[bytes]) -> tuple[pb.InstallHeader, bytearray]:
+def install_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.InstallHeader], None] = lambda h: None
+                        ) -> tuple[pb.InstallHeader, bytearray]:
+    """``check(first header)`` may refuse the copy before its buffer is allocated."""
     first, data, covered = None, bytearray(), 0
     for frame in frame_iter:
         head, payload = frames.unpack(frame, pb.InstallHeader)
         if first is None:
+            check(head)
             first, data = head, bytearray(head.total_bytes)     # one buffer, filled in place
         if head.offset != covered or head.shard != first.shard or covered + len(payload) > first.total_bytes:
             raise ValueError(f"install chunk at {head.offset} does not continue at {covered}")
@@ -144,8 +150,10 @@ class Replicator:
     """Forwards one primary shard's updates to its backup (see the module docstring)."""
 
     def __init__(self, shard_id: int, member_id: Callable[[], str], find_shard: Callable[[], Shard | None],
-                 chunk_bytes: int = 1 << 20, retry_s: float = 0.05, timeout_s: float = 30.0):
+                 chunk_bytes: int = 1 << 20, retry_s: float = 0.05, timeout_s: float = 30.0,
+                 credential: Callable[[], str] = lambda: ""):
         self.shard_id = shard_id
+        self._credential = credential          # this ps's member credential: backups take updates from servers only
         self._member_id = member_id
         self._find_shard = find_shard
         self._chunk_bytes = chunk_bytes
@@ -184,7 +192,7 @@ class Replicator:
                 return
             self._close_channels()
             self._target, self._generation, self._pending = target, self._generation + 1, []
-            self._channel = open_channel(address) if target else None
+            self._channel = open_channel(address, self._credential) if target else None
             self._stubs = DataStubs(self._channel) if self._channel is not None else None
             self._state = "installing" if target else "none"
             gen = self._generation
@@ -264,7 +272,8 @@ class Replicator:
             if self._negotiated or stubs is not self._stubs:
                 return self._tcp
             target = self._target
-        tcp = tcp_client.negotiate(stubs, target[1], self._member_id, f"shard {self.shard_id} backup") \
+        tcp = tcp_client.negotiate(stubs, target[1], self._member_id, f"shard {self.shard_id} backup",
+                                   self._credential) \
             if target is not None else None
         with self._lock:
             if stubs is not self._stubs:            # the view moved on meanwhile: not ours to keep

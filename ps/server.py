@@ -53,6 +53,7 @@ class PSServer:
         reply = self.chief.join()
         job = convert.job_from_pb(reply.view.job)
         self.host.secret = reply.job_secret
+        self.host.credential = reply.credential
         self.host.member_id = self.chief.member_id
         self.host.job = job
         if reply.shard < 0:

@@ -14,17 +14,26 @@ import torch
 
 from shoal.ps.host import ShardHost
 from shoal.ps.replication import install_from_frames, update_from_frames
-from shoal.ps.shard import Shard
-from shoal import frames, tokens
+from shoal.ps.shard import Shard, count_nonfinite
+from shoal import auth, frames, tokens
 from shoal.ps.ledger import BatchKey
 from shoal.config import OptimizerSpec
-from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import grpc_errors
+from shoal.rpc import grpc_errors, request_seconds
 from shoal.wire import DATA_SERVICE, decode_chunk, is_sparse, iter_chunks
 
 log = logging.getLogger(__name__)
+
+MAX_PULL_WAIT_S = 3600.0     # the longest a pull may wait for a version
+MAX_INSTALL_BYTES = 1 << 40  # a shard's copy (weights and optimizer state) is far below this
+MAX_SHARD_NUMEL = 1 << 36    # elements of one shard (256 GiB of fp32): a larger Init is refused unread
+
+
+def ps_guard(host: ShardHost) -> auth.Guard:
+    """Role checks on a ps: credentials verify with the key derived from the job's secret."""
+    return auth.Guard(lambda: auth.credential_key(host.secret) if host.secret else b"")
 
 
 class DataServicer:
@@ -32,6 +41,7 @@ class DataServicer:
 
     def __init__(self, host: ShardHost, pull_chunk_bytes: int = 1 << 20):
         self.host = host
+        self.guard = ps_guard(host)
         self.pull_chunk_bytes = pull_chunk_bytes
         self.offer = pb.DataChannelOffer()     # set by the ps once its TCP data channel listens
 
@@ -56,6 +66,7 @@ class DataServicer:
 
     @grpc_errors
     def Replicate(self, request_iterator: Iterator[bytes], context) -> bytes:
+        self.guard.require(context, auth.PS)
         sizes: list[int] = []
 
         def counted():
@@ -64,7 +75,8 @@ class DataServicer:
                 yield frame
 
         try:
-            head, update = update_from_frames(counted())
+            head, update = update_from_frames(counted(), lambda h: self.host.check_sender(h.shard, h.primary_id,
+                                                                                          h.shard_numel))
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.host.count(inbound=sum(sizes))
@@ -75,12 +87,29 @@ class DataServicer:
 
     @grpc_errors
     def Install(self, request_iterator: Iterator[bytes], context) -> bytes:
+        self.guard.require(context, auth.PS)
         try:
-            head, data = install_from_frames(request_iterator)
+            head, data = install_from_frames(request_iterator, self._check_install)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.host.count(inbound=len(data))
         return pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
+
+    def _check_install(self, head: pb.InstallHeader) -> None:
+        self.host.check_sender(head.shard, head.primary_id)
+        if not 0 < head.total_bytes <= MAX_INSTALL_BYTES:
+            raise InvalidArgument(f"a copy of {head.total_bytes} bytes (at most {MAX_INSTALL_BYTES})")
+
+    def _check_init(self, head: pb.InitHeader) -> None:
+        """Before a shard's memory is reserved: a size in range, a shard this ps serves, not another layout."""
+        if not 0 <= head.numel <= MAX_SHARD_NUMEL:
+            raise InvalidArgument(f"a shard of {head.numel} elements (at most {MAX_SHARD_NUMEL})")
+        existing = self.host.shards.get(head.shard)
+        if existing is not None and (existing.numel, existing.fingerprint) != (head.numel, head.layout_fingerprint):
+            raise FailedPrecondition(f"shard {head.shard} holds model layout {existing.fingerprint} of "
+                                     f"{existing.numel} elements, not {head.layout_fingerprint} of {head.numel}")
+        if existing is None and head.shard not in self.host.assigned:
+            raise Unavailable(f"shard {head.shard} is not assigned to this parameter server (yet)")
 
     @grpc_errors
     def Init(self, request_iterator: Iterator[bytes], context) -> bytes:
@@ -90,9 +119,11 @@ class DataServicer:
             head, payload = frames.unpack(frame, pb.InitHeader)
             if first is None:
                 first = head
-                if head.numel < 0:
-                    raise InvalidArgument(f"negative shard size {head.numel}")
-                values = torch.empty(head.numel, dtype=torch.float32)
+                self._check_init(head)
+                try:
+                    values = torch.empty(head.numel, dtype=torch.float32)
+                except (RuntimeError, MemoryError):
+                    raise ResourceExhausted(f"cannot allocate shard {head.shard} of {head.numel} elements") from None
             elif (head.shard, head.numel, head.layout_fingerprint) != (first.shard, first.numel, first.layout_fingerprint):
                 raise InvalidArgument("Init frames disagree on shard, size or layout")
             n = len(payload) // 4
@@ -101,6 +132,10 @@ class DataServicer:
             values[head.offset:head.offset + n] = frames.fp32_from(payload, n)
         if first is None:
             raise InvalidArgument("Init carried no frames")
+        bad = count_nonfinite(values)
+        if bad:
+            raise InvalidArgument(f"Init of shard {first.shard}: the initial weights hold {bad} non-finite "
+                                  f"value(s) (NaN/Inf)")
         self.host.count(inbound=nbytes)
         spec = OptimizerSpec(first.optimizer.name or "sgd", dict(first.optimizer.hparams))
         shard, created = self.host.create(first.shard, values, spec, first.layout_fingerprint)
@@ -163,7 +198,8 @@ class DataServicer:
         if req.layout_fingerprint and req.layout_fingerprint != shard.fingerprint:
             raise FailedPrecondition(f"pull for layout {req.layout_fingerprint}; shard holds {shard.fingerprint}")
         if req.min_version > shard.version:
-            shard.wait_version(req.min_version, req.timeout_seconds or 30.0)
+            shard.wait_version(req.min_version, request_seconds(req.timeout_seconds, "Pull timeout_seconds", 30.0,
+                                                                MAX_PULL_WAIT_S))
         return req, shard
 
     def _pull_frames(self, request: bytes, chunk_bytes: int) -> list[bytes]:
@@ -265,6 +301,6 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                               ledger=[pb.LedgerEpoch(epoch=e.epoch, applied=e.applied, max_count=e.max_count)
                                       for e in s.ledger_summary()], worker_clocks=s.worker_clocks(),
                               backup=r.backup if r else "", backup_state=r.state if r else "none",
-                              promotions=self.host.promotions,
+                              promotions=self.host.promotions, nonfinite_refused=s.nonfinite_counts(),
                               optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
                                                            hparams=dict(s.optimizer_spec.hparams)))

@@ -13,7 +13,7 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import numpy as np
@@ -31,6 +31,17 @@ from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, 
 log = logging.getLogger(__name__)
 
 KEY_MEMORY = 1 << 16  # idempotency keys remembered per shard
+# --nonfinite refuse: after this many pushes in a row holding NaN/Inf, a worker's next one fails
+NONFINITE_STREAK = 3
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """How many elements of ``t`` are NaN or Inf. One reduction when there are none: a sum is finite
+    only if every term is (NaN and Inf propagate); only a non-finite sum, an overflow of finite terms
+    included, pays for the exact count."""
+    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        return 0
+    return int(t.numel() - torch.isfinite(t).sum())
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class ShardStats:
     pushes_applied: int = 0
     pushes_dropped: int = 0
     updates: int = 0
+    nonfinite: dict[str, int] = field(default_factory=dict)   # pushes holding NaN/Inf not applied, per worker
 
 
 class Shard:
@@ -96,6 +108,8 @@ class Shard:
         # the backup). If it raises, the update is not applied and the shard stops taking pushes.
         self.replicator: Callable[[Update], None] | None = None
         self.fenced = ""          # why this copy may no longer take pushes (another ps is primary)
+        self.nonfinite = "refuse"  # the job's --nonfinite policy (the host sets it from the job)
+        self._nonfinite_streak: dict[str, int] = {}
 
     @property
     def numel(self) -> int:
@@ -120,6 +134,9 @@ class Shard:
         """
         if grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
+        bad = count_nonfinite(grad)
+        if bad:
+            return self._refuse_nonfinite(worker, bad)
         deadline = self._clock() + wait_s
         with self._cond:
             self._pushed.add(worker)
@@ -157,6 +174,7 @@ class Shard:
                 self._round_sparse = self._round_sparse and sparse
                 self._round_sum.add_(grad)
             self._round_workers.add(worker)
+            self._nonfinite_streak.pop(worker, None)
             if key:
                 self._round_keys.append(key)
             if batch is not None:
@@ -164,6 +182,32 @@ class Shard:
             self.stats.pushes_applied += 1
             self._maybe_close_round()
             return PushResult(True, self.version)
+
+    def _refuse_nonfinite(self, worker: str, bad: int) -> PushResult:
+        """A gradient holding NaN/Inf is never applied; the policy says what its worker hears.
+
+        ``refuse``: not applied, and after :data:`NONFINITE_STREAK` in a row the worker's push fails
+        with InvalidArgument saying why; ``skip``: not applied, counted, the worker trains on;
+        ``stop``: the first one fails the worker's push. Logged once per worker. The batch is not
+        handed back to be trained again (``duplicate``): it would most likely fail the same way.
+        """
+        with self._cond:
+            total = self.stats.nonfinite[worker] = self.stats.nonfinite.get(worker, 0) + 1
+            streak = self._nonfinite_streak[worker] = self._nonfinite_streak.get(worker, 0) + 1
+            version = self.version
+        reason = (f"the gradient of {worker} for shard {self.shard_id} holds {bad} non-finite value(s) "
+                  f"(NaN/Inf); not applied")
+        if total == 1:
+            log.warning("shard %d: %s (--nonfinite %s; logged once per worker, counted in shoal status)",
+                        self.shard_id, reason, self.nonfinite)
+        if self.nonfinite == "stop" or (self.nonfinite == "refuse" and streak > NONFINITE_STREAK):
+            raise InvalidArgument(f"{reason}: {streak} such push(es) in a row and the job runs with "
+                                  f"--nonfinite {self.nonfinite}; check the loss and the learning rate")
+        return PushResult(False, version, reason, duplicate=True)
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self.stats.nonfinite)
 
     def set_live_workers(self, workers: Iterable[str]) -> None:
         """Membership changed: the open round may now be complete, a waiting push may go."""
@@ -233,6 +277,10 @@ class Shard:
         """A backup takes its primary's update; a resent one is a no-op. Returns the version."""
         if u.grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, update has {tuple(u.grad.shape)}")
+        bad = count_nonfinite(u.grad)
+        if bad:
+            raise InvalidArgument(f"shard {self.shard_id}: the update to version {u.version} holds {bad} "
+                                  f"non-finite value(s) (NaN/Inf); not applied")
         with self._cond:
             if u.version <= self.version:
                 return self.version

@@ -11,24 +11,39 @@ pull sends the shard's cached snapshot straight from its buffer.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import threading
+import time
 from typing import Callable
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from shoal import frames
+from shoal import auth, frames, tls
 from shoal import tcp_channel as tc
-from shoal.errors import InvalidArgument, ShoalError
+from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.replication import update_from_header
 from shoal.ps.servicer import DataServicer, PushAssembly
 from shoal.wire import decode_chunk
 
 log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 10.0      # a connection that has not said HELLO by then is closed
+
+
+def _max_connections() -> int:
+    raw = os.environ.get("SHOAL_MAX_DATA_CONNECTIONS", "1024")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InvalidArgument(f"SHOAL_MAX_DATA_CONNECTIONS={raw!r} must be a positive integer")
+    return n
 
 
 class _Refused(Exception):
@@ -48,10 +63,13 @@ class DataChannelServer:
     """
 
     def __init__(self, servicer: DataServicer, host: str = "127.0.0.1", port: int = 0,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, max_connections: int = 0):
         self.servicer = servicer
         self.on_lost = on_lost
         self.ticket = secrets.token_bytes(tc.TICKET_BYTES)
+        self.hello_timeout_s = HELLO_TIMEOUT_S
+        self.max_connections = max_connections or _max_connections()
+        self._guard_key = lambda: auth.credential_key(servicer.host.secret) if servicer.host.secret else b""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,24 +109,41 @@ class DataChannelServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
-            tc.tune(conn)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                auth.REFUSALS.warning("tcp-full", "data channel: %d connections open; refusing one from %s "
+                                      "(SHOAL_MAX_DATA_CONNECTIONS)", self.max_connections, peer[0])
+                conn.close()
+                continue
+            tc.tune(conn)
             threading.Thread(target=self._serve, args=(conn, peer), name="tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        member = ""
+        member, raw = "", conn
         try:
-            kind, head, body_len = tc.recv_prefix(conn)
-            ticket, member = tc.parse_hello(head) if kind == tc.HELLO else (b"", "")
+            ctx = tls.context("server")
+            if ctx is not None:       # the handshake counts against the HELLO's deadline
+                conn.settimeout(self.hello_timeout_s)
+                conn = ctx.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
+            # a peer that is not one of ours is not waited for, however slowly it trickles bytes
+            kind, head, body_len = tc.recv_prefix(conn, tc.MAX_HELLO, time.monotonic() + self.hello_timeout_s)
+            ticket, member, credential = tc.parse_hello(head) if kind == tc.HELLO else (b"", "", "")
             if kind != tc.HELLO or body_len or not secrets.compare_digest(ticket, self.ticket):
-                log.warning("data channel from %s: no valid ticket; closing", peer[0])
+                auth.REFUSALS.warning("tcp-hello", "data channel from %s: no valid ticket; closing", peer[0])
                 member = ""
                 return
+            conn.settimeout(None)
+            replicator = self._may_replicate(credential)
             tc.send(conn, tc.OK)
             while True:
                 kind, head, body_len = tc.recv_prefix(conn)
-                if not self._request(conn, kind, head, body_len):
+                if not self._request(conn, kind, head, body_len, replicator):
                     return
         except (ConnectionError, OSError) as exc:
             if not self._closed:
@@ -120,9 +155,18 @@ class DataChannelServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
 
-    def _request(self, conn: socket.socket, kind: int, head: bytes, body_len: int) -> bool:
+    def _may_replicate(self, credential: str) -> bool:
+        """Whether this connection may carry REPLICATE: auth off, or a server's (or the operator's) credential."""
+        if auth.job_token() is None:
+            return True
+        key = self._guard_key()
+        caller = auth.verify(key, credential) if key and credential else None
+        return caller is not None and caller.role in (auth.PS, auth.OPERATOR)
+
+    def _request(self, conn: socket.socket, kind: int, head: bytes, body_len: int, replicator: bool = True) -> bool:
         """Serves one request; False: the connection must close."""
         try:
             if kind in (tc.PUSH, tc.PUSH_MORE):
@@ -133,6 +177,8 @@ class DataChannelServer:
                     raise _Refused(InvalidArgument("a pull request has no body"), fatal=True)
                 self._pull(conn, head)
             elif kind == tc.REPLICATE:
+                if not replicator:
+                    raise _Refused(PermissionDenied("only a parameter server may replicate to this one"), fatal=True)
                 reply = self._replicate(conn, head, body_len)
                 tc.send(conn, tc.OK, reply.SerializeToString())
             else:
@@ -211,6 +257,11 @@ class DataChannelServer:
             tc.discard(conn, body_len)
             raise _Refused(InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}) "
                                            f"of {h.shard_numel} elements: it must be the whole fp32 gradient"))
+        try:        # the sender and the size, before the gradient is allocated
+            self.servicer.host.check_sender(h.shard, h.primary_id, h.shard_numel)
+        except ShoalError as exc:
+            tc.discard(conn, body_len)
+            raise _Refused(exc) from None
         grad = torch.empty(h.numel, dtype=torch.float32)
         tc.recv_exactly(conn, frames.tensor_bytes(grad))
         self.servicer.host.count(inbound=tc.PREFIX.size + len(head) + body_len)

@@ -34,7 +34,8 @@ class ChiefClient:
         self._counters = counters or Counters
         self._heartbeat_extra = heartbeat_extra
         self._join_deadline_s = join_deadline_s
-        self.channel = open_channel(address)
+        self.credential = ""             # from the chief at join: who this member is (shoal.auth)
+        self.channel = open_channel(address, lambda: self.credential)
         self.stub = pb_grpc.ChiefStub(self.channel)
         self.member_id = ""
         self.shard = -1
@@ -54,6 +55,7 @@ class ChiefClient:
         reply = with_retries(lambda: self.stub.Join(req, timeout=10), f"join chief at {self.chief_address}",
                              deadline_s=self._join_deadline_s)
         self.member_id, self.shard, self.lease_seconds = reply.member_id, reply.shard, reply.lease_seconds
+        self.credential = reply.credential
         self._set_view(reply.view)
         log.info("joined chief %s as %s (view epoch %d)", self.chief_address, self.member_id, reply.view.epoch)
         return reply

@@ -18,6 +18,9 @@ from shoal.errors import InvalidArgument
 
 MODES = ("sync", "async", "ssp")
 RECOVERY = ("consistent", "fast")
+# What a server does with a gradient or replicated update holding NaN/Inf (never applied, whichever):
+# refuse it and fail the worker after a few in a row, skip it quietly (counted), or fail the worker at once.
+NONFINITE = ("refuse", "skip", "stop")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class JobConfig:
     lease_seconds: float = 3.0
     replicas: int = 0                 # copies of each shard: 1 or 2; 0 picks 2 when there are 2+ shards
     recovery: str = "consistent"      # when a shard loses every copy: consistent (checkpoint) or fast
+    nonfinite: str = "refuse"         # a gradient with NaN/Inf: refuse | skip | stop (never applied)
 
 
     def __post_init__(self) -> None:
@@ -52,6 +56,8 @@ class JobConfig:
             raise InvalidArgument(f"--replicas must be 1 or 2, got {self.replicas}")
         if self.recovery not in RECOVERY:
             raise InvalidArgument(f"--recovery {self.recovery!r} is not one of {', '.join(RECOVERY)}")
+        if self.nonfinite not in NONFINITE:
+            raise InvalidArgument(f"--nonfinite {self.nonfinite!r} is not one of {', '.join(NONFINITE)}")
 
 
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {

@@ -35,13 +35,13 @@ def counters_from_pb(msg: pb.Counters) -> Counters:
 def job_to_pb(job: JobConfig) -> pb.JobConfig:
     return pb.JobConfig(mode=job.mode, backup_workers=job.backup_workers, staleness=job.staleness,
                         num_shards=job.num_shards, lease_seconds=job.lease_seconds, replicas=job.replicas,
-                        recovery=job.recovery)
+                        recovery=job.recovery, nonfinite=job.nonfinite)
 
 
 def job_from_pb(msg: pb.JobConfig) -> JobConfig:
     return JobConfig(mode=msg.mode, backup_workers=msg.backup_workers, staleness=msg.staleness,
                      num_shards=msg.num_shards, lease_seconds=msg.lease_seconds, replicas=msg.replicas,
-                     recovery=msg.recovery or "consistent")
+                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "refuse")
 
 
 def view_to_pb(view: View) -> pb.ClusterView:

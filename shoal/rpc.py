@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import logging
 import random
 import time
@@ -11,7 +12,10 @@ from typing import Callable, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shoal.errors import ShoalError
+from google.protobuf.message import DecodeError
+
+from shoal import auth, tls
+from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.metrics import interceptors as metrics_interceptors
 
 log = logging.getLogger(__name__)
@@ -32,7 +36,21 @@ CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-SERVER_OPTIONS = MESSAGE_OPTIONS + [
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidArgument(f"{name}={raw!r} must be a positive integer")
+    return int(raw)
+
+
+# What a server takes from anyone before it knows who they are: one message (a frame; tensors travel
+# in chunks far below this) and concurrent calls per connection. Settable for unusual jobs.
+MAX_MESSAGE_MB = _env_int("SHOAL_MAX_MESSAGE_MB", 256)
+MAX_STREAMS = _env_int("SHOAL_MAX_STREAMS", 1024)
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_MB << 20),
+    ("grpc.max_concurrent_streams", MAX_STREAMS),
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -51,10 +69,14 @@ def create_server(address: str, max_workers: int = 64) -> tuple[grpc.Server, int
     Returns the server, the bound port and its health servicer (status SERVING
     is set by the caller once the role is ready).
     """
+    token = auth.job_token()
+    # Metrics first, so refused and undecodable calls are counted too.
+    interceptors = [*metrics_interceptors(), SafeDecode()] + ([auth.TokenInterceptor(token)] if token is not None else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="grpc"),
-                         options=SERVER_OPTIONS, interceptors=metrics_interceptors())
-    port = server.add_insecure_port(address)
+                         options=SERVER_OPTIONS, interceptors=interceptors)
+    cfg = tls.config()
+    port = server.add_secure_port(address, cfg.server_credentials()) if cfg.serves else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
     health_servicer = health.HealthServicer()
@@ -69,8 +91,66 @@ def set_serving(health_servicer: health.HealthServicer, service: str, serving: b
     health_servicer.set("", status)
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, credential: Callable[[], str] | None = None) -> grpc.Channel:
+    """A channel to ``address`` that sends the job token (and ``credential()``, the caller's member
+    credential) with every call when the process has a token (:mod:`shoal.auth`)."""
+    cfg = tls.config()
+    channel = grpc.secure_channel(address, cfg.channel_credentials(), options=CHANNEL_OPTIONS) if cfg.enabled \
+        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return auth.authenticated(channel, credential)
+
+
+class _Undecodable:
+    """What a request that does not parse becomes, so the call is refused INVALID_ARGUMENT (gRPC's own
+    answer to a failed deserializer is INTERNAL with an ERROR traceback in the log)."""
+
+    def __init__(self, exc: Exception):
+        self.text = f"undecodable request: {exc}"
+
+
+class SafeDecode(grpc.ServerInterceptor):
+    """Turns requests that do not decode into INVALID_ARGUMENT (one rate-limited WARNING line)."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode, method = handler.request_deserializer, details.method
+
+        def safe(raw: bytes):
+            try:
+                return decode(raw)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+                return _Undecodable(exc)
+
+        def refuse(bad: _Undecodable, context):
+            auth.REFUSALS.warning("invalid", "refused %s from %s: %s", method, context.peer(), bad.text)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.text)
+
+        def checked_stream(requests, context):
+            for r in requests:
+                if isinstance(r, _Undecodable):
+                    raise InvalidArgument(r.text)
+                yield r
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        if kind == (False, False):
+            def unary(request, context, _b=handler.unary_unary):
+                return refuse(request, context) if isinstance(request, _Undecodable) else _b(request, context)
+            return grpc.unary_unary_rpc_method_handler(unary, safe, handler.response_serializer)
+        if kind == (False, True):
+            def unary_stream(request, context, _b=handler.unary_stream):
+                if isinstance(request, _Undecodable):
+                    refuse(request, context)
+                return _b(request, context)
+            return grpc.unary_stream_rpc_method_handler(unary_stream, safe, handler.response_serializer)
+        if kind == (True, False):
+            return grpc.stream_unary_rpc_method_handler(
+                lambda it, context, _b=handler.stream_unary: _b(checked_stream(it, context), context),
+                safe, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            lambda it, context, _b=handler.stream_stream: _b(checked_stream(it, context), context),
+            safe, handler.response_serializer)
 
 
 def grpc_errors(method: Callable) -> Callable:
@@ -80,7 +160,13 @@ def grpc_errors(method: Callable) -> Callable:
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
+        except (DecodeError, OverflowError) as exc:   # a header that does not parse, a number out of range
+            auth.REFUSALS.warning("invalid", "refused %s from %s: %s", method.__name__, _peer(context), exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.__name__}: invalid request ({exc})")
         except ShoalError as exc:
+            if isinstance(exc, (InvalidArgument, PermissionDenied)):
+                auth.REFUSALS.warning(type(exc).__name__, "refused %s from %s: %s", method.__name__,
+                                      _peer(context), exc)
             context.abort(exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - the boundary: log and report, never crash the server
             if isinstance(exc, grpc.RpcError) and not context.is_active():
@@ -91,6 +177,36 @@ def grpc_errors(method: Callable) -> Callable:
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed; see the server log")
 
     return wrapper
+
+
+def request_seconds(value: float, what: str, default: float, most: float) -> float:
+    """A duration a request asks for: ``default`` when unset (0), else a finite number in (0, most]
+    (InvalidArgument otherwise: a NaN or a huge wait must not reach a lock's ``wait``)."""
+    if value == 0:
+        return default
+    if not (0 < value <= most):
+        raise InvalidArgument(f"{what} must be between 0 and {most:g} seconds, got {value!r}")
+    return value
+
+
+MAX_ADDRESS = 261     # a DNS name (253) or a bracketed IPv6 address, a colon and a port
+
+
+def check_address(address: str) -> str:
+    """``host:port`` a member says it serves on; InvalidArgument for anything else (a path, a long
+    string, a port out of range)."""
+    host, sep, port = address.rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    ok = (sep and 0 < len(address) <= MAX_ADDRESS and port.isdigit() and 0 < int(port) < 65536 and bare
+          and all(c.isalnum() or c in ".-_:" for c in bare) and (":" not in bare or host.startswith("[")))
+    if not ok:
+        raise InvalidArgument(f"{address[:80]!r}{'...' if len(address) > 80 else ''} is not a host:port address")
+    return address
+
+
+def _peer(context) -> str:
+    peer = getattr(context, "peer", None)
+    return peer() if callable(peer) else "?"
 
 
 def with_retries(call: Callable[[], T], what: str, deadline_s: float | None = None,

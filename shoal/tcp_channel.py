@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import grpc
 
@@ -51,14 +52,19 @@ class ChannelError(grpc.RpcError):
         return self._details
 
 
-def hello(ticket: bytes, member_id: str) -> bytes:
-    """The head of a HELLO: the ticket, then the caller's member id (may be empty)."""
-    return ticket + member_id.encode()
+MAX_HELLO = TICKET_BYTES + 1024     # ticket, member id, credential: a longer HELLO is not a shoal peer
 
 
-def parse_hello(head: bytes) -> tuple[bytes, str]:
-    """``(ticket, member_id)`` of a HELLO head."""
-    return head[:TICKET_BYTES], head[TICKET_BYTES:].decode(errors="replace")
+def hello(ticket: bytes, member_id: str, credential: str = "") -> bytes:
+    """The head of a HELLO: the ticket, then the caller's member id (may be empty) and, when
+    authentication is on, after a NUL byte its member credential (:mod:`shoal.auth`)."""
+    return ticket + member_id.encode() + (b"\0" + credential.encode() if credential else b"")
+
+
+def parse_hello(head: bytes) -> tuple[bytes, str, str]:
+    """``(ticket, member_id, credential)`` of a HELLO head."""
+    member, _, credential = head[TICKET_BYTES:].partition(b"\0")
+    return head[:TICKET_BYTES], member.decode(errors="replace"), credential.decode(errors="replace")
 
 
 def status_code(value: int) -> grpc.StatusCode:
@@ -91,26 +97,34 @@ def send(sock: socket.socket, kind: int, head: bytes = b"", body: bytes | memory
     return PREFIX.size + len(head) + nbody
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fills ``view`` (a writable byte view) from the socket; a closed peer is ``ConnectionError``."""
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fills ``view`` (a writable byte view) from the socket; a closed peer is ``ConnectionError``.
+    With ``deadline`` (``time.monotonic()``), a peer still sending then is ``TimeoutError``, however
+    slowly it trickles."""
     got, n = 0, view.nbytes
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer did not finish its message in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("the peer closed the data channel")
         got += k
 
 
-def recv_prefix(sock: socket.socket) -> tuple[int, bytes, int]:
+def recv_prefix(sock: socket.socket, max_head: int = MAX_HEAD,
+                deadline: float | None = None) -> tuple[int, bytes, int]:
     """Reads a message's prefix and head: ``(kind, head, body_len)``; the body is the caller's to read."""
     raw = bytearray(PREFIX.size)
-    recv_exactly(sock, memoryview(raw))
+    recv_exactly(sock, memoryview(raw), deadline)
     kind, head_len, body_len = PREFIX.unpack(raw)
-    if head_len > MAX_HEAD:
+    if head_len > max_head:
         raise ConnectionError(f"a data-channel header of {head_len} bytes: not a shoal peer")
     head = bytearray(head_len)
     if head_len:
-        recv_exactly(sock, memoryview(head))
+        recv_exactly(sock, memoryview(head), deadline)
     return kind, bytes(head), body_len
 
 

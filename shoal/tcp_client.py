@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 import grpc
 
 from shoal import tcp_channel as tc
+from shoal import tls
 from shoal.proto import shoal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,10 @@ class TcpDataChannel:
     """``member_id`` is presented with the ticket (a callable: it may change on a re-join)."""
 
     def __init__(self, host: str, offer: pb.DataChannelOffer, member_id: Callable[[], str] = lambda: "",
-                 connect_timeout_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, credential: Callable[[], str] = lambda: ""):
         self.host, self.port, self.ticket = host, offer.port, offer.ticket
         self.member_id = member_id
+        self.credential = credential
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -52,7 +54,10 @@ class TcpDataChannel:
         sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
         try:
             tc.tune(sock)
-            tc.send(sock, tc.HELLO, tc.hello(self.ticket, self.member_id()))
+            ctx = tls.context("client")
+            if ctx is not None:       # checks the ps's certificate against --tls-ca and the host it was reached at
+                sock = ctx.wrap_socket(sock, server_hostname=self.host)
+            tc.send(sock, tc.HELLO, tc.hello(self.ticket, self.member_id(), self.credential()))
             kind, _, _ = tc.recv_prefix(sock)
             if kind != tc.OK:
                 raise ConnectionError(f"the ps at {self.host}:{self.port} refused the ticket")
@@ -126,7 +131,8 @@ def read_reply(sock: socket.socket) -> tuple[bytes, int]:
     return head, body_len
 
 
-def negotiate(stubs, address: str, member_id: Callable[[], str], what: str) -> TcpDataChannel | None:
+def negotiate(stubs, address: str, member_id: Callable[[], str], what: str,
+              credential: Callable[[], str] = lambda: "") -> TcpDataChannel | None:
     """Asks the ps at ``address`` (its data ``stubs``, :class:`shoal.wire.DataStubs`) for its TCP channel
     and opens a first connection. None if it offers none (or is too old to know the call) or the
     channel cannot be reached: gRPC carries the data then. A ps that does not answer raises."""
@@ -138,7 +144,7 @@ def negotiate(stubs, address: str, member_id: Callable[[], str], what: str) -> T
         return None
     if not offer.port:
         return None
-    tcp = TcpDataChannel(split_host(address), offer, member_id)
+    tcp = TcpDataChannel(split_host(address), offer, member_id, credential=credential)
     try:
         tcp.release(tcp.connect())
     except OSError as exc:

@@ -24,6 +24,8 @@ from typing import IO
 import grpc
 
 from shoal.alerts import AlertConfig
+from shoal import auth, tls
+from shoal.cli.certs import make_local_pki
 from shoal.config import JobConfig
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
@@ -69,6 +71,7 @@ class LocalConfig:
     metrics_port: int | None = None    # None: no /metrics; 0: every role a free port; N: chief N, then N+1, ...
     alerts: AlertConfig = field(default_factory=AlertConfig)
     run_name: str = ""                 # the TensorBoard run folder ("": <mode>-<UTC time>)
+    secure: bool = False               # a job token in the run dir (unless one is given) for every role
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -135,11 +138,27 @@ class LocalCluster:
         # one TensorBoard run per role, under one folder per run, so runs of several modes overlay
         tb_parent = Path(cfg.tensorboard) if cfg.tensorboard else self.run_dir / "tb"
         self.cfg = cfg = replace(cfg, tensorboard=str(tb_parent / (cfg.run_name or observe.run_name(cfg.job.mode))))
+        if cfg.secure:
+            self._secure()
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         self.restarts: dict[str, int] = {}
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
+
+    def _secure(self) -> None:
+        """A job token and mutual TLS for every role started from here (their files in the run dir),
+        unless the command line already gave them."""
+        if auth.job_token() is None:
+            os.environ[auth.TOKEN_ENV] = str(auth.write_token_file(self.run_dir / "job.token"))
+            auth.reset()
+            auth.job_token()
+        if not tls.config().enabled:
+            for name, path in make_local_pki(self.run_dir / "tls").items():
+                os.environ[tls.ENV[name]] = path
+            os.environ[tls.ENV["mutual"]] = "1"
+            tls.reset()
+            tls.config()
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHOAL_METRICS_DIR": str(self.run_dir / "metrics"),
@@ -174,6 +193,7 @@ class LocalCluster:
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
+                                      "--nonfinite", job.nonfinite,
                                       "--journal", str(self._new_journal()), *self._checkpoint_args(),
                                       *observe.local_role_flags(self.cfg, "chief", 0)])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
@@ -414,6 +434,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
 
 def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
     summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
+                     "authenticated": auth.job_token() is not None, "tls": tls.config().enabled,
                      "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes,
                      "tensorboard": str(Path(cfg.tensorboard).parent) if cfg.tensorboard else ""}
     if stats is not None:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
+from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
+from shoal.cli import security
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
 from shoal.cli import observe
 
@@ -36,15 +37,19 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recovery", choices=RECOVERY, default=None,
                    help="a shard that lost every copy: consistent (default) rolls back to the newest checkpoint, "
                         "fast goes on from a worker's weights")
+    p.add_argument("--nonfinite", choices=NONFINITE, default=None,
+                   help="a gradient holding NaN/Inf is never applied: refuse (default; the worker fails after "
+                        "a few in a row), skip (counted in shoal status) or stop (the worker fails at once)")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery"}
+    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery", "nonfinite"}
     return from_sources(JobConfig, yaml_values={k: v for k, v in yaml_values.items() if k in job_keys},
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards,
-                             "replicas": args.replicas, "recovery": args.recovery})
+                             "replicas": args.replicas, "recovery": args.recovery,
+                             "nonfinite": args.nonfinite})
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +95,7 @@ def cmd_chief(args: argparse.Namespace) -> int:
 
     job = _job_from(args, args.num_shards)
     tensorboard, metrics_port = observe.tensorboard_dir(args), observe.metrics_port(args)
+    security.warn_if_exposed("shoal chief", args.bind)
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
                          checkpoint=_checkpoint_from(args))
     server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
@@ -121,6 +127,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if not 0 <= args.data_port <= 65535:
         raise InvalidArgument(f"--data-port must be a port number (0: any free one), got {args.data_port}")
     metrics_port = observe.metrics_port(args)
+    security.warn_if_exposed("shoal ps", args.bind)
     server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
                       data_port=None if args.no_data_channel else args.data_port).start()
     try:
@@ -167,7 +174,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
                       keep_checkpoints=args.keep_checkpoints,
                       tensorboard=observe.tensorboard_dir(args), metrics_port=observe.metrics_port(args),
-                      alerts=observe.alert_config(args))
+                      alerts=observe.alert_config(args), secure=args.secure)
     return run_local(cfg)
 
 
@@ -216,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chief", help="run the chief (membership, data tasks, routing)")
-    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:7070"))
+    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
+                   help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
+    security.add_token_arg(p)
     p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
@@ -244,11 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh in place every SECONDS (default 2) until Ctrl-C")
+    security.add_token_arg(p)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
     p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
-    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:0"))
+    p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:0"),
+                   help="address to listen on (default loopback; 0.0.0.0:PORT for every interface)")
+    security.add_token_arg(p)
     p.add_argument("--advertise", default=os.environ.get("SHOAL_ADVERTISE", ""),
                    help="host name workers use to reach this server (default: bind host or hostname)")
     p.add_argument("--data-port", type=int, default=os.environ.get("SHOAL_DATA_PORT", "0"),
@@ -277,8 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--drain-seconds", type=float, default=60.0,
                            help="after the script's workers end, wait this long for workers that joined "
                                 "from outside to leave before stopping the servers")
+            p.add_argument("--secure", action="store_true",
+                           help="generate a job token in the run dir and give it to every role")
             _job_args(p)
             _checkpoint_args(p)
+        security.add_token_arg(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
         p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))
         p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
@@ -296,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level)
     tune_malloc()
     try:
+        security.apply(args)
         return args.func(args)
     except ShoalError as exc:
         print(f"shoal {args.command}: error: {exc}", file=sys.stderr)

@@ -33,6 +33,7 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
             entry.update(version=st.version, numel=st.numel, applied=st.pushes_applied, dropped=st.pushes_dropped,
                          backup_state=st.backup_state,
                          round_pending=st.round_pending, clocks=dict(st.worker_clocks),
+                         nonfinite=dict(st.nonfinite_refused),
                          ledger=[{"epoch": e.epoch, "batches": e.applied, "max_count": e.max_count}
                                  for e in st.ledger])
         except grpc.RpcError as exc:
@@ -142,6 +143,9 @@ def render(s: dict[str, Any]) -> str:
     if s.get("alerts"):
         out += ["", "alerts (latest occurrence of each):"]
         out += [f"  {a['kind']:<15} {a['member']:<12} step {a['step']}" for a in s["alerts"]]
+    refused = [f"{w} {n} (shard {sh['shard']})" for sh in s["shards"] for w, n in sorted(sh.get("nonfinite", {}).items())]
+    if refused:
+        out += ["", "pushes refused for NaN/Inf: " + ", ".join(refused)]
     return "\n".join(out)
 
 

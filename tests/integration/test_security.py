@@ -1,0 +1,225 @@
+"""A job with a token: it trains as before, and each attack of issue 12 is refused with nothing changed."""
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shoal import auth, frames
+from shoal import tcp_channel as tc
+from shoal.config import JobConfig
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from shoal.ps.replication import install_frames
+from shoal.wire import DataStubs
+from harness import InProcessCluster, wait_until
+from shoal.worker import Trainer
+
+TOKEN = b"0123456789abcdef-test-token"
+
+
+@pytest.fixture
+def secure():
+    """A 2-shard sync job (each shard with a backup) whose every role requires the token, and one worker."""
+    auth.use_token(TOKEN)
+    c = InProcessCluster(2, JobConfig(num_shards=2, mode="sync"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    trainer = Trainer(model, chief=c.chief_address, optimizer="adam", lr=0.02)
+    wait_until(lambda: all(r.backup_id for r in trainer.chief.view.shards), what="backups in the view")
+    yield c, trainer, model
+    trainer.close()
+    c.stop()
+    auth.reset()
+
+
+def channel(address, token=TOKEN, credential=""):
+    """A channel sending ``token`` (None: nothing) and ``credential``."""
+    raw = grpc.insecure_channel(address)
+    if token is None:
+        return raw
+    auth.use_token(token)
+    try:
+        return auth.authenticated(raw, lambda: credential)
+    finally:
+        auth.use_token(TOKEN)
+
+
+def code_of(call):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def operator(c):
+    return auth.issue(auth.credential_key(c.chief.state.secret), auth.OPERATOR_ID, auth.OPERATOR)
+
+
+def test_a_token_job_trains_with_its_backups_in_step(secure):
+    c, trainer, model = secure
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    before = F.cross_entropy(model(x), y).item()
+    for xb, yb in trainer.batches((x, y), batch_size=16, epochs=2):
+        trainer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        trainer.step(samples=len(xb))
+    trainer.pull()
+    assert F.cross_entropy(model(x), y).item() < before
+    assert trainer.chief.credential.startswith("worker:")
+    for k in range(2):
+        copies = [ps.host.shards[k].digest() for ps in c.servers if k in ps.host.shards]
+        assert len(copies) == 2 and copies[0] == copies[1] and copies[0][0] == 16   # primary == backup
+
+
+@pytest.mark.parametrize("token", [None, b"0123456789abcdef-wrong-token"])
+def test_calls_without_the_right_token_are_unauthenticated_and_change_nothing(secure, token):
+    c, trainer, _ = secure
+    ch, ps = channel(c.chief_address, token), channel(c.servers[0].address, token)
+    chief = pb_grpc.ChiefStub(ch)
+    epoch = c.chief.state.epoch
+    assert code_of(lambda: chief.GetView(pb.ViewRequest(after_epoch=-1), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: chief.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:1"), timeout=5)) == \
+        grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: chief.Leave(pb.LeaveRequest(member_id="ps-0"), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    stubs = DataStubs(ps)
+    assert code_of(lambda: stubs.open_channel(b"", timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    huge = pb.InstallHeader(shard=0, total_bytes=1 << 30, primary_id="ps-1")        # the 22-byte 1 GiB Install
+    assert code_of(lambda: stubs.install(iter([frames.pack(huge, b"")]), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    # the health service stays open for probes and load balancers
+    health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert c.chief.state.epoch == epoch and c.chief.state.members.get("ps-0").live
+    ch.close()
+    ps.close()
+
+
+def test_a_worker_cannot_act_as_a_server_the_operator_or_another_member(secure):
+    c, trainer, _ = secure
+    me = trainer.chief.credential
+    ps_cred = c.servers[0].host.credential
+    chief = pb_grpc.ChiefStub(channel(c.chief_address, credential=me))
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    epoch = c.chief.state.epoch
+    assert code_of(lambda: chief.Leave(pb.LeaveRequest(member_id="ps-0"), timeout=5)) == denied
+    assert code_of(lambda: chief.Heartbeat(pb.HeartbeatRequest(member_id="ps-0"), timeout=5)) == denied
+    assert code_of(lambda: chief.ReportMetrics(pb.MetricsReport(member_id="chief", values={"test_accuracy": 0.0123}),
+                                               timeout=5)) == denied
+    assert code_of(lambda: pb_grpc.ChiefStub(channel(c.chief_address, credential=ps_cred)).GetTasks(
+        pb.TaskRequest(member_id="ps-0", max_tasks=10_000), timeout=5)) == denied
+    assert c.chief.state.epoch == epoch and c.chief.state.members.get("ps-0").live
+    assert "test_accuracy" not in c.chief.state.metrics
+    # a forged credential (right shape, wrong key) is no credential
+    forged = auth.issue(b"not the job's key", "ps-0", auth.PS)
+    for cred in (me, forged, ps_cred):
+        control = pb_grpc.ShardControlStub(channel(c.servers[0].address, credential=cred))
+        assert code_of(lambda: control.Freeze(pb.FreezeRequest(shard=0, timeout_seconds=1, hold_seconds=600),
+                                              timeout=5)) == denied
+    for cred in (me, forged):
+        stubs = DataStubs(channel(c.servers[1].address, credential=cred))
+        assert code_of(lambda: stubs.install(install_frames(0, "ps-0", 1, "fp", b"x" * 64, 1 << 20),
+                                             timeout=5)) == denied
+    assert code_of(lambda: pb_grpc.ChiefStub(channel(c.chief_address, credential=forged)).Leave(
+        pb.LeaveRequest(member_id="ps-0"), timeout=5)) == denied
+
+
+def test_a_worker_is_refused_replication_over_the_tcp_channel(secure):
+    c, trainer, _ = secure
+    backup = next(ps for ps in c.servers if ps.host.roles.get(0) == "backup")
+    wait_until(lambda: 0 in backup.host.shards, what="the backup's copy")
+    before = backup.host.shards[0].digest()
+    offer = pb.DataChannelOffer.FromString(DataStubs(channel(backup.address)).open_channel(b"", timeout=5))
+    with socket.create_connection(("127.0.0.1", offer.port), timeout=5) as sock:
+        tc.send(sock, tc.HELLO, tc.hello(offer.ticket, trainer.member_id, trainer.chief.credential))
+        assert tc.recv_prefix(sock)[0] == tc.OK
+        n = backup.host.shards[0].numel
+        head = pb.ReplicateHeader(shard=0, version=before[0] + 1, primary_id="ps-0", numel=n, shard_numel=n)
+        tc.send(sock, tc.REPLICATE, head.SerializeToString(), torch.full((n,), 1e3).numpy().tobytes())
+        kind, text, _ = tc.recv_prefix(sock)
+    assert tc.status_code(kind) == grpc.StatusCode.PERMISSION_DENIED, text
+    assert backup.host.shards[0].digest() == before
+
+
+def test_a_peer_that_trickles_its_hello_is_cut_off(secure):
+    c, _, _ = secure
+    server = c.servers[0].channel
+    server.hello_timeout_s = 0.5
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        t0 = time.monotonic()
+        closed = False
+        sock.sendall(tc.PREFIX.pack(tc.HELLO, 60, 0))       # a HELLO whose 60-byte head comes a byte at a time
+        while time.monotonic() - t0 < 5:
+            try:
+                sock.send(b"\x00")
+                time.sleep(0.1)
+            except OSError:
+                closed = True
+                break
+            sock.settimeout(0.01)
+            try:
+                if sock.recv(1) == b"":
+                    closed = True
+                    break
+            except (socket.timeout, BlockingIOError):
+                pass
+    assert closed and time.monotonic() - t0 < 4.5         # cut after 0.5 s, not after the 6 s the bytes take
+
+
+@pytest.mark.parametrize("address", ["x" * 300 + ":1", "../../etc/passwd", "host:99999", ""])
+def test_a_ps_join_with_a_bad_address_is_invalid(secure, address):
+    c, _, _ = secure
+    chief = pb_grpc.ChiefStub(channel(c.chief_address))
+    members = len(list(c.chief.state.members.all()))
+    assert code_of(lambda: chief.Join(pb.JoinRequest(role=pb.PS, address=address), timeout=5)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert len(list(c.chief.state.members.all())) == members
+
+
+def test_a_join_under_another_members_id_gets_its_own(secure):
+    c, trainer, _ = secure
+    chief = pb_grpc.ChiefStub(channel(c.chief_address))
+    layout = trainer.chief.layout
+    reply = chief.Join(pb.JoinRequest(role=pb.WORKER, layout=layout, member_id=trainer.member_id), timeout=5)
+    assert reply.member_id != trainer.member_id and reply.credential.startswith(f"worker:{reply.member_id}:")
+    assert not reply.job_secret                              # a worker never sees the task-signing secret
+
+
+def test_garbage_and_huge_waits_are_invalid_argument_never_internal(secure, caplog):
+    c, _, _ = secure
+    auth.REFUSALS.reset()                       # earlier tests' refusals must not silence these
+    ch = channel(c.chief_address)
+    garbage = ch.unary_unary("/shoal.Chief/Join")               # bytes that are no JoinRequest
+    for _ in range(5):
+        assert code_of(lambda: garbage(b"\xff\xff\xff\xff", timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+    control = pb_grpc.ShardControlStub(channel(c.servers[0].address, credential=operator(c)))
+    for t in (1e300, float("nan"), -1.0):
+        assert code_of(lambda: control.Freeze(pb.FreezeRequest(shard=0, timeout_seconds=t), timeout=5)) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: control.Freeze(pb.FreezeRequest(shard=0, hold_seconds=1e300), timeout=5)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert not any(r.levelname == "ERROR" for r in caplog.records)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refusals) <= 3                              # rate-limited, not one per call
+
+
+def test_a_message_over_the_cap_is_refused_before_it_reaches_a_servicer(monkeypatch):
+    from shoal import rpc
+
+    options = [o for o in rpc.SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    monkeypatch.setattr(rpc, "SERVER_OPTIONS", options + [("grpc.max_receive_message_length", 1 << 20)])
+    server, port, _ = rpc.create_server("127.0.0.1:0")
+    server.start()
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=rpc.MESSAGE_OPTIONS)
+        check = health_pb2_grpc.HealthStub(ch).Check
+        assert code_of(lambda: check(health_pb2.HealthCheckRequest(service="x" * (2 << 20)), timeout=5)) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        ch.close()
+    finally:
+        server.stop(0)
