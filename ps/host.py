@@ -104,7 +104,7 @@ class ShardHost:
                 raise FailedPrecondition(f"shard {shard} is not initialised yet")
             raise NotFound(f"this parameter server does not hold shard {shard} (holds {sorted(self.assigned)})")
         if s.fenced:
-            raise Unavailable(f"shard {shard} here is {NOT_PRIMARY} any more: {s.fenced}")
+            raise FailedPrecondition(f"shard {shard} here is {NOT_PRIMARY} any more: {s.fenced}")
         return s
 
     def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str,
@@ -164,10 +164,13 @@ class ShardHost:
 
     def set_view(self, workers: frozenset[str], completed_epochs: int,
                  routes: list[pb.ShardRoute] | None = None) -> None:
+        dropped: list[Shard] = []
         with self._lock:
             self.live_workers = workers
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
-            targets = self._apply_routes(routes) if routes is not None else []
+            targets = self._apply_routes(routes, dropped) if routes is not None else []
+        for s in dropped:                   # outside the host's lock: a round may hold the shard's a moment
+            s.fence(s.fenced)
         for r, backup_id, backup_address in targets:
             r.set_target(backup_id, backup_address)
         with self._live_cond:
@@ -187,8 +190,9 @@ class ShardHost:
             for s in shards:
                 s.set_live_workers(workers)
 
-    def _apply_routes(self, routes: list[pb.ShardRoute]) -> list[tuple[Replicator, str, str]]:
-        """Roles from the view (lock held); returns the replicators to aim, outside the lock."""
+    def _apply_routes(self, routes: list[pb.ShardRoute], dropped: list[Shard]) -> list[tuple[Replicator, str, str]]:
+        """Roles from the view (lock held); returns the replicators to aim, outside the lock, and adds the
+        copies it drops to ``dropped`` (to be fenced outside the lock)."""
         targets = []
         named = set()
         for route in routes:
@@ -208,23 +212,30 @@ class ShardHost:
                 targets.append((r, route.backup_id, route.backup_address))
             elif route.backup_id == self.member_id:
                 if self.roles.get(k) == PRIMARY:
-                    self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its backup")
+                    dropped += self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its "
+                                                  f"backup")
                 self.roles[k] = BACKUP
             elif k in self.shards or k in self.roles:
-                self._drop_copy(k, f"the view names {route.primary_id} primary")
+                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary")
         return targets
 
-    def _drop_copy(self, shard: int, why: str) -> None:
+    def _drop_copy(self, shard: int, why: str) -> list[Shard]:
+        """Forgets this process's copy of ``shard`` (lock held); returns it, to be fenced (:meth:`Shard.fence`).
+
+        The flag goes up first and the replicator closes next, so an update on its way to the backup
+        raises instead of being applied here (a closed replicator never reads as "no backup")."""
         s = self.shards.pop(shard, None)
         if s is not None:
-            s.fenced = why
+            s.fenced = s.fenced or why
         r = self.replicators.pop(shard, None)
         if r is not None:
             r.close()
         self.roles.pop(shard, None)
         self.assigned.discard(shard)
-        if s is not None:
-            log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        if s is None:
+            return []
+        log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        return [s]
 
     def close(self) -> None:
         with self._live_cond:

@@ -15,7 +15,9 @@ When the backup cannot be reached the replicator keeps retrying until the
 chief's view drops it (its lease expired) and names a new one or none: it
 never silently acknowledges without a backup the view still lists. A backup
 that answers "the primary is someone else" has been promoted over this copy:
-the update raises, and the shard is fenced.
+the update raises, and the shard is fenced. A replicator closed because the
+view dropped this copy raises too (it is not "no backup"): the update it was
+carrying is never applied.
 """
 from __future__ import annotations
 
@@ -213,9 +215,15 @@ class Replicator:
     # ------------------------------------------------------------ forwarding (shard lock held)
 
     def __call__(self, u: Update) -> None:
+        """Returns once the backup holds ``u`` (or the view names none, or a copy for a new one is under
+        way and will carry it); raises if the update must not be applied: the backup refused it (another
+        ps is primary) or the replicator was closed (the view dropped this copy)."""
         warned = False
         while True:
             with self._lock:
+                if self._stop.is_set():             # closed: this copy is being dropped, not retargeted
+                    raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
+                                      f"was dropped while it was on its way to the backup")
                 gen, state, stubs = self._generation, self._state, self._stubs
                 if state == "none" or stubs is None:
                     return
