@@ -111,7 +111,8 @@ class ChiefClient:
             return self._view
 
     def refresh_view(self) -> pb.ClusterView:
-        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=10)
+        # about a lease: a chief that stopped answering (paused) fails this like a dead one would
+        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=max(1.0, self.lease_seconds))
         self._set_view(view)
         return view
 

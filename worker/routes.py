@@ -99,7 +99,8 @@ class ShardRoutes:
             return
         try:
             reply = self.chief.stub.ReportUnreachable(
-                pb.UnreachableReport(reporter_id=self._member_id(), member_id=route.primary_id), timeout=5)
+                pb.UnreachableReport(reporter_id=self._member_id(), member_id=route.primary_id),
+                timeout=max(1.0, 2 * self.chief.lease_seconds))   # the chief probes it: a lease or so
             if reply.expired:
                 log.warning("shard %d: the chief confirmed %s is gone", shard, route.primary_id)
         except grpc.RpcError as exc:

@@ -256,3 +256,41 @@ def test_a_worker_that_died_between_two_view_watches_is_ended_after_a_sixth_of_i
     clock.advance(0.2)                                     # half a second (lease / 6) without a watch
     assert [m.member_id for m in s.tick()] == [a.member_id]
     assert s.members.get(b.member_id).live
+
+
+def test_a_chief_that_stood_still_extends_every_lease_by_its_own_gap(clock):
+    """Paused 10 s with a 1.5 s lease (issue 20): on waking, nobody is expired for the chief's own silence."""
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=1.5), clock)
+    s.members.bridge_pauses_over(0.6)          # the ticker checks every 0.2 s
+    ps = [s.join_ps(f"h:{i}")[0] for i in range(2)]
+    w = s.join_worker(LAYOUT)
+    for _ in range(5):                         # a healthy ticker: checks close together, leases renewed
+        clock.advance(0.2)
+        for m in (*ps, w):
+            s.heartbeat(m.member_id)
+        assert s.tick() == []
+    epoch = s.epoch
+    clock.advance(10.0)                        # SIGSTOP: no tick, no heartbeat read
+    assert s.tick() == [] and s.epoch == epoch  # the waiting heartbeats come next, not a lost job
+    assert all(s.members.get(m.member_id).live for m in (*ps, w)) and not s.lost
+    assert s.members.pauses_bridged == 1
+    for _ in range(9):                         # ps-1 really died meanwhile: it goes a lease after the wake
+        clock.advance(0.2)
+        s.heartbeat(ps[0].member_id)
+        s.heartbeat(w.member_id)
+        s.tick()
+    assert [m.member_id for m in s.members.alive()] == [ps[0].member_id, w.member_id]
+
+
+def test_without_a_pause_a_lapsed_lease_still_expires(clock):
+    m = Membership(lease_seconds=1.5, clock=clock)
+    m.bridge_pauses_over(0.6)
+    a, b = m.join(Role.WORKER), m.join(Role.WORKER)
+    for _ in range(10):                        # the chief runs on; b stopped heartbeating
+        clock.advance(0.2)
+        m.heartbeat(a.member_id)
+        m.expire()
+    assert a.live and not b.live
+    clock.advance(0.5)                         # a gap under the threshold is ordinary jitter: no extension
+    m.heartbeat(a.member_id)
+    assert m.expire() == [] and m.pauses_bridged == 0
