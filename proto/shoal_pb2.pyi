@@ -101,18 +101,20 @@ class MemberInfo(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class ShardRoute(_message.Message):
-    __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address")
+    __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address", "backup_complete")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_ID_FIELD_NUMBER: _ClassVar[int]
     BACKUP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     primary_id: str
     primary_address: str
     backup_id: str
     backup_address: str
-    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ...) -> None: ...
+    backup_complete: bool
+    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ..., backup_complete: _Optional[bool] = ...) -> None: ...
 
 class ClusterView(_message.Message):
     __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs")
@@ -157,16 +159,26 @@ class TaskProgress(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., next_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "counters", "progress", "step_seconds")
+    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     counters: Counters
     progress: _containers.RepeatedCompositeFieldContainer[TaskProgress]
     step_seconds: float
-    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    backups_complete: _containers.RepeatedCompositeFieldContainer[ShardCopy]
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+
+class ShardCopy(_message.Message):
+    __slots__ = ("shard", "backup_id")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_ID_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    backup_id: str
+    def __init__(self, shard: _Optional[int] = ..., backup_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("epoch", "known")

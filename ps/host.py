@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
@@ -45,6 +46,7 @@ class ShardHost:
         self.bytes_out = 0
         self.promotions = 0
         self._restoring: set[int] = set()             # shards being loaded from a checkpoint
+        self.on_backup_complete: Callable[[], None] = lambda: None   # a backup's first copy is in place
         self._restored = threading.Condition(self._lock)
         # Live-worker sets reach the shards from their own thread: a primary may hold its shard's
         # lock while it waits for the view to replace a dead backup, and the view must get through.
@@ -84,13 +86,20 @@ class ShardHost:
     def _replicator(self, shard: int) -> Replicator:
         r = self.replicators.get(shard)
         if r is None:
-            r = Replicator(shard, lambda: self.member_id, lambda: self._primary_copy(shard))
+            r = Replicator(shard, lambda: self.member_id, lambda: self._primary_copy(shard),
+                           on_in_sync=lambda: self.on_backup_complete())
             self.replicators[shard] = r
         return r
 
     def _primary_copy(self, shard: int) -> Shard | None:
         s = self.shards.get(shard)
         return s if s is not None and self.roles.get(shard) == PRIMARY else None
+
+    def backups_complete(self) -> list[tuple[int, str]]:
+        """``(shard, backup id)`` for each primary copy here whose backup holds a whole copy and follows it."""
+        with self._lock:
+            reps = [(k, r) for k, r in self.replicators.items() if self.roles.get(k) == PRIMARY]
+        return [(k, r.backup) for k, r in sorted(reps) if r.state == "in_sync" and r.backup]
 
     def get(self, shard: int) -> Shard:
         """The primary copy of ``shard`` for a worker's call; the errors tell the worker what to do."""

@@ -146,13 +146,15 @@ class Replicator:
     """Forwards one primary shard's updates to its backup (see the module docstring)."""
 
     def __init__(self, shard_id: int, member_id: Callable[[], str], find_shard: Callable[[], Shard | None],
-                 chunk_bytes: int = 1 << 20, retry_s: float = 0.05, timeout_s: float = 30.0):
+                 chunk_bytes: int = 1 << 20, retry_s: float = 0.05, timeout_s: float = 30.0,
+                 on_in_sync: Callable[[], None] = lambda: None):
         self.shard_id = shard_id
         self._member_id = member_id
         self._find_shard = find_shard
         self._chunk_bytes = chunk_bytes
         self._retry_s = retry_s
         self._timeout_s = timeout_s
+        self._on_in_sync = on_in_sync     # the backup's copy became whole (the ps tells the chief)
         self._lock = threading.Lock()
         self._target: tuple[str, str] | None = None       # (member id, address) of the backup
         self._channel: grpc.Channel | None = None
@@ -344,7 +346,9 @@ class Replicator:
             for u in items:
                 self._send(stubs, u)
             with self._lock:
-                if gen == self._generation:
-                    self._state = "in_sync"
+                if gen != self._generation:
+                    return
+                self._state = "in_sync"
+        self._on_in_sync()
         log.info("shard %d: backup %s in sync from version %d (%d bytes copied in %.2fs)", self.shard_id,
                  self.backup, version, len(data), time.perf_counter() - t0)

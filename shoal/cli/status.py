@@ -25,7 +25,7 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
     shards = []
     for route in view.shards:
         entry: dict[str, Any] = {"shard": route.shard, "primary": route.primary_id, "address": route.primary_address,
-                                 "backup": route.backup_id}
+                                 "backup": route.backup_id, "backup_complete": route.backup_complete}
         sch = open_channel(route.primary_address)
         try:
             st = pb_grpc.ParameterServerStub(sch).Status(pb.StatusRequest(shard=route.shard, by_shard=True),
@@ -125,7 +125,9 @@ def render(s: dict[str, Any]) -> str:
             out.append(f"{sh['shard']:<6} {sh['primary']:<10} {sh.get('backup') or '-':<10} unreachable ({sh['error']})")
             continue
         ledger = " ".join(f"{e['epoch']}:{e['batches']}x{e['max_count']}" for e in sh["ledger"][-4:])
-        backup = f"{sh['backup'] or '-'}{'' if sh.get('backup_state') in ('in_sync', None) else '*'}"
+        # '*': the chief has not heard from the primary that this backup's copy is whole (it would not
+        # promote it)
+        backup = f"{sh['backup'] or '-'}{'*' if sh['backup'] and not sh.get('backup_complete') else ''}"
         out.append(f"{sh['shard']:<6} {sh['primary']:<10} {backup:<10} {sh['version']:>8} {sh['applied']:>8} "
                    f"{sh['dropped']:>8}  {ledger}")
     return "\n".join(out)

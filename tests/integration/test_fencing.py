@@ -153,3 +153,40 @@ def test_a_push_waiting_for_admission_on_a_dropped_copy_fails_at_once(primary):
     promoted_view(h)
     push["thread"].join(5)
     assert isinstance(push.get("error"), FailedPrecondition) and push["at"] - t0 < 2.0
+
+
+@pytest.mark.parametrize("recovery", ["consistent", "fast"])
+def test_a_primary_killed_before_its_backup_holds_a_whole_copy_is_not_replaced_by_it(cluster_factory, monkeypatch,
+                                                                                      recovery):
+    """The chief promotes a backup only once its primary said the copy is whole; killed during the copy,
+    ``consistent`` stops the job saying why, ``fast`` goes on with it and reports the shard lost."""
+    from shoal.worker import Trainer
+    from test_cluster import mlp
+
+    real = Replicator._install_once
+
+    def never_finishes_for_shard_0(self, gen, shard):
+        if self.shard_id != 0:
+            return real(self, gen, shard)
+        self._stop.wait(30)             # the copy is under way when its primary dies
+
+    monkeypatch.setattr(Replicator, "_install_once", never_finishes_for_shard_0)
+    c = cluster_factory(2, mode="async", lease_seconds=1.0, recovery=recovery)
+    t = Trainer(mlp(0), chief=c.chief_address)          # initialises both shards: their copies start
+    try:
+        state = c.chief.state
+        wait_until(lambda: state.complete.get(1) == state.backups.get(1), timeout_s=10,
+                   what="shard 1's backup to be reported whole")
+        assert [r.backup_complete for r in state.view().routes] == [False, True]
+        assert state.routing[0] == c.servers[0].chief.member_id
+        c.kill_ps(0)
+        if recovery == "consistent":
+            wait_until(lambda: state.stopped, timeout_s=10, what="the job to stop")
+            assert "had not finished receiving its copy" in state.stopped and state.lost == [0]
+        else:
+            survivor = c.servers[1].chief.member_id
+            wait_until(lambda: state.routing.get(0) == survivor, timeout_s=10, what="the backup to be promoted")
+            assert state.lost == [0] and not state.stopped
+    finally:
+        t._pool.shutdown(wait=False)
+        t.chief.close()

@@ -69,6 +69,7 @@ def test_each_shard_gets_a_backup_on_another_ps_and_a_dead_primary_is_replaced_b
     assert routes(s) == {0: (p0.member_id, "")}                  # nobody to back it up yet
     p1, _ = s.join_ps("h:2")
     assert routes(s) == {0: (p0.member_id, p1.member_id), 1: (p1.member_id, p0.member_id)}
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})   # p1's copy of shard 0 is whole
     e = s.epoch
     clock.advance(1.5)
     s.heartbeat(p1.member_id)
@@ -294,3 +295,42 @@ def test_without_a_pause_a_lapsed_lease_still_expires(clock):
     clock.advance(0.5)                         # a gap under the threshold is ordinary jitter: no extension
     m.heartbeat(a.member_id)
     assert m.expire() == [] and m.pauses_bridged == 0
+
+
+def test_a_backup_is_promoted_only_once_its_primary_said_its_copy_is_whole(clock):
+    """Killing the primary before, during and after the backup's first copy (issue 20)."""
+    def kill_primary(recovery, report):
+        s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0, recovery=recovery), clock)
+        p0, p1 = s.join_ps("h:1")[0], s.join_ps("h:2")[0]
+        assert not any(r.backup_complete for r in s.view().routes)       # shoal status: "ps-1*"
+        if report:
+            s.heartbeat(p0.member_id, backups_complete=report(p0, p1))
+        clock.advance(1.5)
+        s.heartbeat(p1.member_id)
+        clock.advance(1.0)
+        assert [m.member_id for m in s.tick()] == [p0.member_id]
+        return s, p1
+
+    s, p1 = kill_primary("consistent", None)                             # before or during the copy
+    assert s.stopped and "had not finished receiving its copy" in s.stopped and s.lost == [0]
+    assert 0 not in s.routing and routes(s) == {1: (p1.member_id, "")}
+    s, p1 = kill_primary("consistent", lambda p0, p1: {0: "ps-9", 1: p1.member_id})  # not its backup, not its shard
+    assert s.stopped and s.lost == [0]
+    s, p1 = kill_primary("fast", None)                                   # goes on with it, and says so
+    assert not s.stopped and s.lost == [0] and s.routing[0] == p1.member_id
+    s, p1 = kill_primary("consistent", lambda p0, p1: {0: p1.member_id})  # just after: promoted, nothing lost
+    assert not s.stopped and s.lost == [] and s.routing == {0: p1.member_id, 1: p1.member_id}
+
+
+def test_a_new_backup_starts_incomplete_until_its_primary_reports_it(clock):
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0), clock)
+    p0, p1 = s.join_ps("h:1")[0], s.join_ps("h:2")[0]
+    e = s.epoch
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})
+    assert s.epoch == e + 1 and [r.backup_complete for r in s.view().routes] == [True, False]
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})
+    assert s.epoch == e + 1                                              # said again: no new view
+    s.leave(p1.member_id)
+    p2 = s.join_ps("h:3", member_id=p1.member_id)[0]                     # same id back, as a new backup
+    assert [r.backup_complete for r in s.view().routes if r.shard == 0] == [False]
+    assert ChiefState.from_dict(s.to_dict(), clock).complete == s.complete
