@@ -16,33 +16,46 @@ from harness import wait_until
 pytestmark = pytest.mark.system
 
 
-def pause(pid: int, seconds: float = 0.0, until=None, timeout_s: float = 30.0) -> float:
-    """SIGSTOPs ``pid`` for ``seconds`` or until ``until()`` holds; SIGCONT always. Returns the pause."""
+def pause(pid: int, seconds: float, watch=None) -> float:
+    """SIGSTOPs ``pid`` for ``seconds`` (calling ``watch(elapsed)`` meanwhile); SIGCONT always. Returns
+    how long it was stopped."""
     t0 = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
-        if until is not None:
-            wait_until(until, timeout_s=timeout_s, what="the pause's condition")
-        left = seconds - (time.monotonic() - t0)
-        if left > 0:
-            time.sleep(left)
+        while time.monotonic() - t0 < seconds:
+            if watch is not None:
+                watch(time.monotonic() - t0)
+            time.sleep(0.05)
     finally:
         os.kill(pid, signal.SIGCONT)
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing(tmp_path, mode):
-    proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", mode, "--lease-seconds", "1.5",
-                       script_args=("--epochs", "3"))
+def longest_stall(tmp_path, start: float, stop: float) -> float:
+    """The longest time in [start, stop] (wall clock) in which no worker finished a step (--step-log)."""
+    ends = sorted(float(line) for f in tmp_path.glob("steps-*.txt") for line in f.read_text().splitlines()
+                  if line and not line.startswith("#"))
+    inside = [start] + [t for t in ends if start < t < stop] + [min(stop, next((t for t in ends if t >= stop), stop))]
+    return max(b - a for a, b in zip(inside, inside[1:]))
+
+
+def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing_and_stalls_two_leases(tmp_path):
+    """Sync (the strictest: every round needs both shards); async runs in bench/pauses.py."""
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "sync", "--lease-seconds", "1.5",
+                       script_args=("--epochs", "3", "--step-log", str(tmp_path / "steps-{pid}.txt")))
     log = tmp_path / "local.log"
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 30,
                timeout_s=90, what="training to be under way")
-    # paused until its backup is promoted over it, and a little longer: it wakes with pushes and pulls
-    # queued in its sockets and an update on its way to a backup that is now the primary
-    pause(pids(tmp_path)["ps0"], seconds=1.0, until=lambda: "promoted to primary" in log.read_text())
+    # paused well past its backup's promotion: it wakes with pushes and pulls queued in its sockets and
+    # an update on its way to a backup that is now the primary
+    t0 = time.time()
+    pause(pids(tmp_path)["ps0"], seconds=8.0)
     summary = finish(proc, tmp_path)
     text = log.read_text()
+    assert "promoted to primary" in text
+    stall = longest_stall(tmp_path, t0, t0 + 8.0)
+    print(f"longest stall of training during an 8 s pause of a primary: {stall:.2f}s (lease 1.5 s)")
+    assert stall < 2 * 1.5 + 0.5                      # about two leases, not the whole pause
     assert summary["tasks_done"] == summary["tasks_total"] > 0
     assert summary["lost_shards"] == [], summary
     assert summary["exactly_once"], summary["ledger"]        # no acknowledged batch lost, none applied twice
@@ -50,7 +63,8 @@ def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing(tmp_pat
 
 
 def test_a_chief_paused_for_several_leases_expires_no_one(tmp_path):
-    proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "sync", "--lease-seconds", "1.5",
+    """Async (sync: above)."""
+    proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "async", "--lease-seconds", "1.5",
                        script_args=("--epochs", "3"))
     log = tmp_path / "local.log"
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 30,
