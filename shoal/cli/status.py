@@ -56,7 +56,11 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                                         "queue_depth": stats.queue_depth},
             "epochs": {"completed": stats.completed_epochs, "total": stats.epochs,
                        "batches_per_epoch": stats.batches_per_epoch},
-            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples}}
+            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples},
+            "checkpoints": {"written": stats.checkpoints_written, "step": stats.checkpoint_step,
+                            "failed": stats.checkpoints_failed, "failed_step": stats.checkpoint_failed_step,
+                            "error": stats.checkpoint_error},
+            "lost_shards": list(stats.lost_shards)}
 
 
 def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
@@ -113,6 +117,12 @@ def render(s: dict[str, Any]) -> str:
            f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
            "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
+    ck = s.get("checkpoints", {})
+    if ck.get("failed"):
+        out[1:1] = [f"CHECKPOINTS FAILING: {ck['failed']} attempt(s) failed, the newest at step {ck['failed_step']} "
+                    f"({ck['error']}); the newest checkpoint is step {ck['step'] or 'none'}"]
+    if s.get("lost_shards"):
+        out[1:1] = [f"LOST: shard(s) {s['lost_shards']} lost acknowledged updates (exactly-once no longer holds)"]
     for m in s["members"]:
         flags = "STRAGGLER" if m.get("straggler") else ""
         lag = "" if m.get("lag") is None else str(m["lag"])
