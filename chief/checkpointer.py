@@ -325,8 +325,8 @@ class Checkpointer:
             with self.lock:
                 self.status.failed_attempt(top, _describe(exc))
                 failed, newest = self.status.failed, self.status.last_step
-            log.error("checkpoint at step %d FAILED (%s); %d attempt(s) failed so far, the newest checkpoint is "
-                      "step %d; trying again at the next interval", top, _describe(exc), failed, newest,
+            log.error("checkpoint at step %d aborted (%s); trying again at the next interval (%d attempt(s) "
+                      "FAILED so far; the newest checkpoint is step %d)", top, _describe(exc), failed, newest,
                       exc_info=not isinstance(exc, (grpc.RpcError, ShoalError, OSError)))
             record_failure(self.writer.root, top, _describe(exc))
             return None
