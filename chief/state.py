@@ -194,9 +194,10 @@ class ChiefState:
                            else "it had no backup")
                     log.error("shard %d lost its primary %s and %s: no whole copy is left", k, m.member_id, why)
                     if self.job.recovery == "consistent" and not self.stopped:
-                        self.stopped = (f"shard {k} lost every whole copy (its primary {m.member_id} died and "
-                                        f"{why}); --recovery consistent stops the job rather than go on without "
-                                        f"acknowledged updates: resume it from the newest checkpoint")
+                        self.stopped = (f"shard {k} lost every copy that holds all its updates (its primary "
+                                        f"{m.member_id} died and {why}); --recovery consistent stops the job rather "
+                                        f"than go on without acknowledged updates: resume it from the newest "
+                                        f"checkpoint")
                     elif self.job.recovery == "fast":
                         log.warning("shard %d: --recovery fast goes on; the next ps to take it starts from the "
                                     "newest checkpoint or a worker's weights, and the updates it held since "
