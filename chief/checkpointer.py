@@ -50,7 +50,7 @@ from shoal.layout import ModelLayout, ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.checkpoint import Checkpoint, load_latest
-from shoal.checkpoint_store import CheckpointWriter, ckpt_dir_name
+from shoal.checkpoint_store import CheckpointWriter, ckpt_dir_name, record_failure
 from shoal import auth
 from shoal.rpc import open_channel
 
@@ -122,6 +122,12 @@ class CheckpointStatus:
         self.last_path = str(newest.path) if newest is not None else ""
         self.last_step = newest.step if newest is not None else 0
         self.written = 0
+        self.failed = 0                  # attempts that failed since the chief started (a visible error)
+        self.failed_step = 0             # the step of the newest failed attempt
+        self.last_error = ""
+
+    def failed_attempt(self, step: int, error: str) -> None:
+        self.failed, self.failed_step, self.last_error = self.failed + 1, step, error
 
     def check_layout(self, layout: ModelLayout) -> None:
         """FailedPrecondition naming the differing parameters when the job resumes a different model."""
@@ -139,7 +145,9 @@ class CheckpointStatus:
     def stats(self) -> dict:
         """The ``JobStats`` fields."""
         return {"restored_from": self.restored_from, "restored_step": self.restored_step,
-                "checkpoint_step": self.last_step if self.written else 0, "checkpoints_written": self.written}
+                "checkpoint_step": self.last_step if self.written else 0, "checkpoints_written": self.written,
+                "checkpoints_failed": self.failed, "checkpoint_failed_step": self.failed_step,
+                "checkpoint_error": self.last_error}
 
 
 def restore_tasks(saved: dict) -> TaskQueue:
@@ -317,8 +325,13 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - any failure aborts this attempt, not the job
             if pending is not None:
                 pending.abort()
-            log.warning("checkpoint at step %d aborted (%s); trying again at the next interval", top, _describe(exc),
-                        exc_info=not isinstance(exc, (grpc.RpcError, ShoalError, OSError)))
+            with self.lock:
+                self.status.failed_attempt(top, _describe(exc))
+                failed, newest = self.status.failed, self.status.last_step
+            log.error("checkpoint at step %d aborted (%s); trying again at the next interval (%d attempt(s) "
+                      "FAILED so far; the newest checkpoint is step %d)", top, _describe(exc), failed, newest,
+                      exc_info=not isinstance(exc, (grpc.RpcError, ShoalError, OSError)))
+            record_failure(self.writer.root, top, _describe(exc))
             return None
         finally:
             if not thawed:

@@ -20,6 +20,14 @@ both within ``lease / 3`` of each other, with no heartbeat or new watch in
 between, end it now. A process that died between two view watches (the window
 is a few milliseconds) leaves no broken watch: a dropped data connection and
 no watch open for ``lease / 6`` ends it then (:meth:`Membership.expire`).
+
+Leases are judged by the chief's own clock, which runs on while the chief
+itself does not (SIGSTOP, a long GC pause, a VM migration, a swapped-out
+host): on waking, every lease would look lapsed before the heartbeats waiting
+in its socket are read. So a chief that sees a gap in its own progress
+(:meth:`Membership.bridge_pauses_over`: two lease checks further apart than
+expected) extends every live lease by the gap first: time it did not run
+counts against no one.
 """
 from __future__ import annotations
 
@@ -45,6 +53,9 @@ class Membership:
         self._watches: dict[str, int] = {}
         self._watch_broken: dict[str, float] = {}
         self._conn_lost: dict[str, float] = {}
+        self._max_gap_s: float | None = None           # see bridge_pauses_over
+        self._last_check: float | None = None
+        self.pauses_bridged = 0
 
     def _new_id(self, role: Role) -> str:
         n = self._next_id[role]
@@ -97,6 +108,7 @@ class Membership:
         data connection dropped and that has had no view watch open for ``lease / 6`` since (a live
         worker has one open nearly all the time: it re-opens it as soon as one is answered)."""
         now = self._clock()
+        self._bridge_gap(now)
         gone = []
         for m in self._members.values():
             if not m.live:
@@ -111,6 +123,31 @@ class Membership:
             m.state = MemberState.EXPIRED
             gone.append(m)
         return gone
+
+    def bridge_pauses_over(self, max_gap_s: float) -> None:
+        """Lease checks (:meth:`expire`) are expected at most ``max_gap_s`` apart (the chief's ticker); a
+        longer gap means the chief itself stood still, and every live lease is extended by it."""
+        if not max_gap_s > 0:
+            raise InvalidArgument(f"the gap that counts as a pause must be > 0 seconds, got {max_gap_s}")
+        self._max_gap_s = max_gap_s
+
+    def _bridge_gap(self, now: float) -> None:
+        last, self._last_check = self._last_check, now
+        if self._max_gap_s is None or last is None or now - last <= self._max_gap_s:
+            return
+        gap = now - last
+        extended = 0
+        for m in self._members.values():
+            if m.live:
+                # never past a full lease from now: a member renewed since the wake keeps its own lease
+                m.lease_until = max(m.lease_until, min(m.lease_until + gap, now + self.lease_seconds))
+                extended += 1
+        for seen in (self._watch_broken, self._conn_lost):     # sightings age only while the chief runs
+            for k in seen:
+                seen[k] += gap
+        self.pauses_bridged += 1
+        log.warning("the chief made no progress for %.1fs (paused, starved or migrated); extended %d lease(s) "
+                    "by that much rather than expire members for its own silence", gap, extended)
 
     def _lost_unwatched(self, member_id: str, now: float) -> bool:
         at = self._conn_lost.get(member_id)

@@ -54,6 +54,8 @@ class ChiefServer:
         self.server, self.port, self._health = create_server(bind)
         pb_grpc.add_ChiefServicer_to_server(self.servicer, self.server)
         self._tick_s = tick_s
+        # a gap in the ticker's progress this much over its period is the chief's own pause (membership.py)
+        self.state.members.bridge_pauses_over(tick_s + max(2 * tick_s, self.job.lease_seconds / 4))
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="chief-ticker", daemon=True)
         self.bind = bind

@@ -160,10 +160,14 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             mid = request.member_id
             m = self.state.members.find(mid)
             before = (m.counters, self.state.step_seconds.get(mid)) if m is not None else None
+            epoch = self.state.epoch
             known = self.state.heartbeat(mid, convert.counters_from_pb(request.counters),
                                          {p.task_id: p.next_start for p in request.progress},
-                                         request.step_seconds)
-            if known and (request.progress or before != (m.counters, self.state.step_seconds.get(mid))):
+                                         request.step_seconds,
+                                         {c.shard: c.backup_id for c in request.backups_complete})
+            if self.state.epoch != epoch:           # a backup's copy is complete: journaled, then published
+                self._changed_now(f"backups complete from {mid}")
+            elif known and (request.progress or before != (m.counters, self.state.step_seconds.get(mid))):
                 self._touch()
             return pb.HeartbeatReply(epoch=self.state.epoch, known=known)
 

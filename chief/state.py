@@ -38,6 +38,7 @@ class ChiefState:
         self.layout: ModelLayout | None = None
         self.routing: dict[int, str] = {}      # shard -> primary ps
         self.backups: dict[int, str] = {}      # shard -> backup ps (with replicas = 2)
+        self.complete: dict[int, str] = {}     # shard -> the backup its primary reported holding a whole copy
         self.lost: list[int] = []              # shards that lost every copy (see recovery)
         self.stopped = ""                      # why the job stopped: a consistent job lost a shard
         self.metrics: dict[str, float] = {}
@@ -74,6 +75,7 @@ class ChiefState:
                 shard = free[0]
                 self.routing[shard] = m.member_id
                 self.backups.pop(shard, None)
+                self.complete.pop(shard, None)
                 log.info("shard %d -> %s at %s", shard, m.member_id, address)
         self._assign_backups()
         self._changed(f"ps {m.member_id} joined (shard {shard})")
@@ -92,13 +94,21 @@ class ChiefState:
             candidates = sorted((load[p], p) for p in live if p != self.routing[k])
             if candidates:
                 self.backups[k] = candidates[0][1]
+                self.complete.pop(k, None)       # it has no copy yet: its primary says when it does
                 log.info("shard %d: backup %s", k, self.backups[k])
 
     def heartbeat(self, member_id: str, counters: Counters | None = None,
-                  progress: Mapping[int, int] | None = None, step_seconds: float = 0.0) -> bool:
-        """Renews the lease; records task progress (for resuming) and the step time (for stragglers)."""
+                  progress: Mapping[int, int] | None = None, step_seconds: float = 0.0,
+                  backups_complete: Mapping[int, str] | None = None) -> bool:
+        """Renews the lease; records task progress (for resuming), the step time (for stragglers) and, from
+        a primary, which of its shards' backups hold a whole copy (only those are promoted)."""
         if not self.members.heartbeat(member_id, counters):
             return False
+        for k, backup in (backups_complete or {}).items():
+            if self.routing.get(k) == member_id and self.backups.get(k) == backup and self.complete.get(k) != backup:
+                self.complete[k] = backup
+                log.info("shard %d: backup %s holds a whole copy (its primary %s says so)", k, backup, member_id)
+                self._changed(f"shard {k}'s backup {backup} is complete")
         for task_id, next_start in (progress or {}).items():
             self.tasks.progress(member_id, task_id, next_start)
         if step_seconds > 0:
@@ -163,23 +173,33 @@ class ChiefState:
             return
         for k in [k for k, mid in self.backups.items() if mid == m.member_id]:
             del self.backups[k]
+            self.complete.pop(k, None)
             log.warning("shard %d lost its backup %s", k, m.member_id)
         for k in [k for k, mid in self.routing.items() if mid == m.member_id]:
             backup = self.backups.pop(k, None)
-            if backup is not None:
+            whole = backup is not None and self.complete.pop(k, None) == backup
+            if whole or (backup is not None and self.job.recovery == "fast" and not graceful):
                 self.routing[k] = backup
                 log.warning("shard %d lost its primary %s; promoted its backup %s", k, m.member_id, backup)
+                if not whole:
+                    self.lost.append(k)
+                    log.error("shard %d: its backup %s had not finished receiving its copy; --recovery fast "
+                              "goes on with it, and the updates its primary acknowledged alone are lost "
+                              "(exactly_once: false)", k, backup)
             else:
                 del self.routing[k]
                 if graceful:       # a ps stopped on purpose (the job is being shut down)
                     log.info("shard %d: its last copy left with %s", k, m.member_id)
                 else:
                     self.lost.append(k)
-                    log.error("shard %d lost its primary %s and has no backup: every copy is gone", k, m.member_id)
+                    why = (f"its backup {backup} had not finished receiving its copy" if backup is not None
+                           else "it had no backup")
+                    log.error("shard %d lost its primary %s and %s: no whole copy is left", k, m.member_id, why)
                     if self.job.recovery == "consistent" and not self.stopped:
-                        self.stopped = (f"shard {k} lost every copy (its last server {m.member_id} died); "
-                                        f"--recovery consistent stops the job rather than go on without "
-                                        f"acknowledged updates: resume it from the newest checkpoint")
+                        self.stopped = (f"shard {k} lost every copy that holds all its updates (its primary "
+                                        f"{m.member_id} died and {why}); --recovery consistent stops the job rather "
+                                        f"than go on without acknowledged updates: resume it from the newest "
+                                        f"checkpoint")
                     elif self.job.recovery == "fast":
                         log.warning("shard %d: --recovery fast goes on; the next ps to take it starts from the "
                                     "newest checkpoint or a worker's weights, and the updates it held since "
@@ -232,7 +252,8 @@ class ChiefState:
             if mid not in by_id:
                 continue
             b = by_id.get(self.backups.get(k, ""))
-            routes.append(Route(k, mid, by_id[mid].address, b.member_id if b else "", b.address if b else ""))
+            routes.append(Route(k, mid, by_id[mid].address, b.member_id if b else "", b.address if b else "",
+                                b is not None and self.complete.get(k) == b.member_id))
         routes = tuple(routes)
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
@@ -261,6 +282,7 @@ class ChiefState:
             "layout": None if self.layout is None else [[t.name, list(t.shape), t.dtype] for t in self.layout.specs],
             "routing": [[k, mid] for k, mid in sorted(self.routing.items())],
             "backups": [[k, mid] for k, mid in sorted(self.backups.items())],
+            "complete": [[k, mid] for k, mid in sorted(self.complete.items())],
             "lost": list(self.lost),
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
@@ -286,6 +308,7 @@ class ChiefState:
             s.layout = ModelLayout(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in d["layout"])
         s.routing = {int(k): mid for k, mid in d["routing"]}
         s.backups = {int(k): mid for k, mid in d.get("backups", [])}
+        s.complete = {int(k): mid for k, mid in d.get("complete", [])}
         s.lost = [int(k) for k in d.get("lost", [])]
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}

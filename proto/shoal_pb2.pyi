@@ -103,18 +103,20 @@ class MemberInfo(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class ShardRoute(_message.Message):
-    __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address")
+    __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address", "backup_complete")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_ID_FIELD_NUMBER: _ClassVar[int]
     BACKUP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     primary_id: str
     primary_address: str
     backup_id: str
     backup_address: str
-    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ...) -> None: ...
+    backup_complete: bool
+    def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ..., backup_complete: _Optional[bool] = ...) -> None: ...
 
 class ClusterView(_message.Message):
     __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs")
@@ -161,16 +163,26 @@ class TaskProgress(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., next_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "counters", "progress", "step_seconds")
+    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     counters: Counters
     progress: _containers.RepeatedCompositeFieldContainer[TaskProgress]
     step_seconds: float
-    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    backups_complete: _containers.RepeatedCompositeFieldContainer[ShardCopy]
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+
+class ShardCopy(_message.Message):
+    __slots__ = ("shard", "backup_id")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_ID_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    backup_id: str
+    def __init__(self, shard: _Optional[int] = ..., backup_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("epoch", "known")
@@ -282,7 +294,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +319,9 @@ class JobStats(_message.Message):
     CHECKPOINTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     LOST_SHARDS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -324,7 +339,10 @@ class JobStats(_message.Message):
     checkpoints_written: int
     lost_shards: _containers.RepeatedScalarFieldContainer[int]
     stopped: str
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ...) -> None: ...
+    checkpoints_failed: int
+    checkpoint_failed_step: int
+    checkpoint_error: str
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ...) -> None: ...
 
 class UnreachableReport(_message.Message):
     __slots__ = ("reporter_id", "member_id")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
@@ -46,6 +47,7 @@ class ShardHost:
         self.bytes_out = 0
         self.promotions = 0
         self._restoring: set[int] = set()             # shards being loaded from a checkpoint
+        self.on_backup_complete: Callable[[], None] = lambda: None   # a backup's first copy is in place
         self._restored = threading.Condition(self._lock)
         # Live-worker sets reach the shards from their own thread: a primary may hold its shard's
         # lock while it waits for the view to replace a dead backup, and the view must get through.
@@ -88,13 +90,19 @@ class ShardHost:
         r = self.replicators.get(shard)
         if r is None:
             r = Replicator(shard, lambda: self.member_id, lambda: self._primary_copy(shard),
-                           credential=lambda: self.credential)
+                           credential=lambda: self.credential, on_in_sync=lambda: self.on_backup_complete())
             self.replicators[shard] = r
         return r
 
     def _primary_copy(self, shard: int) -> Shard | None:
         s = self.shards.get(shard)
         return s if s is not None and self.roles.get(shard) == PRIMARY else None
+
+    def backups_complete(self) -> list[tuple[int, str]]:
+        """``(shard, backup id)`` for each primary copy here whose backup holds a whole copy and follows it."""
+        with self._lock:
+            reps = [(k, r) for k, r in self.replicators.items() if self.roles.get(k) == PRIMARY]
+        return [(k, r.backup) for k, r in sorted(reps) if r.state == "in_sync" and r.backup]
 
     def get(self, shard: int) -> Shard:
         """The primary copy of ``shard`` for a worker's call; the errors tell the worker what to do."""
@@ -108,7 +116,7 @@ class ShardHost:
                 raise FailedPrecondition(f"shard {shard} is not initialised yet")
             raise NotFound(f"this parameter server does not hold shard {shard} (holds {sorted(self.assigned)})")
         if s.fenced:
-            raise Unavailable(f"shard {shard} here is {NOT_PRIMARY} any more: {s.fenced}")
+            raise FailedPrecondition(f"shard {shard} here is {NOT_PRIMARY} any more: {s.fenced}")
         return s
 
     def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str,
@@ -181,10 +189,13 @@ class ShardHost:
 
     def set_view(self, workers: frozenset[str], completed_epochs: int,
                  routes: list[pb.ShardRoute] | None = None) -> None:
+        dropped: list[Shard] = []
         with self._lock:
             self.live_workers = workers
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
-            targets = self._apply_routes(routes) if routes is not None else []
+            targets = self._apply_routes(routes, dropped) if routes is not None else []
+        for s in dropped:                   # outside the host's lock: a round may hold the shard's a moment
+            s.fence(s.fenced)
         for r, backup_id, backup_address in targets:
             r.set_target(backup_id, backup_address)
         with self._live_cond:
@@ -204,8 +215,9 @@ class ShardHost:
             for s in shards:
                 s.set_live_workers(workers)
 
-    def _apply_routes(self, routes: list[pb.ShardRoute]) -> list[tuple[Replicator, str, str]]:
-        """Roles from the view (lock held); returns the replicators to aim, outside the lock."""
+    def _apply_routes(self, routes: list[pb.ShardRoute], dropped: list[Shard]) -> list[tuple[Replicator, str, str]]:
+        """Roles from the view (lock held); returns the replicators to aim, outside the lock, and adds the
+        copies it drops to ``dropped`` (to be fenced outside the lock)."""
         targets = []
         named = set()
         for route in routes:
@@ -225,23 +237,30 @@ class ShardHost:
                 targets.append((r, route.backup_id, route.backup_address))
             elif route.backup_id == self.member_id:
                 if self.roles.get(k) == PRIMARY:
-                    self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its backup")
+                    dropped += self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its "
+                                                  f"backup")
                 self.roles[k] = BACKUP
             elif k in self.shards or k in self.roles:
-                self._drop_copy(k, f"the view names {route.primary_id} primary")
+                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary")
         return targets
 
-    def _drop_copy(self, shard: int, why: str) -> None:
+    def _drop_copy(self, shard: int, why: str) -> list[Shard]:
+        """Forgets this process's copy of ``shard`` (lock held); returns it, to be fenced (:meth:`Shard.fence`).
+
+        The flag goes up first and the replicator closes next, so an update on its way to the backup
+        raises instead of being applied here (a closed replicator never reads as "no backup")."""
         s = self.shards.pop(shard, None)
         if s is not None:
-            s.fenced = why
+            s.fenced = s.fenced or why
         r = self.replicators.pop(shard, None)
         if r is not None:
             r.close()
         self.roles.pop(shard, None)
         self.assigned.discard(shard)
-        if s is not None:
-            log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        if s is None:
+            return []
+        log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        return [s]
 
     def close(self) -> None:
         with self._live_cond:

@@ -15,7 +15,9 @@ When the backup cannot be reached the replicator keeps retrying until the
 chief's view drops it (its lease expired) and names a new one or none: it
 never silently acknowledges without a backup the view still lists. A backup
 that answers "the primary is someone else" has been promoted over this copy:
-the update raises, and the shard is fenced.
+the update raises, and the shard is fenced. A replicator closed because the
+view dropped this copy raises too (it is not "no backup"): the update it was
+carrying is never applied.
 """
 from __future__ import annotations
 
@@ -151,7 +153,7 @@ class Replicator:
 
     def __init__(self, shard_id: int, member_id: Callable[[], str], find_shard: Callable[[], Shard | None],
                  chunk_bytes: int = 1 << 20, retry_s: float = 0.05, timeout_s: float = 30.0,
-                 credential: Callable[[], str] = lambda: ""):
+                 credential: Callable[[], str] = lambda: "", on_in_sync: Callable[[], None] = lambda: None):
         self.shard_id = shard_id
         self._credential = credential          # this ps's member credential: backups take updates from servers only
         self._member_id = member_id
@@ -159,6 +161,7 @@ class Replicator:
         self._chunk_bytes = chunk_bytes
         self._retry_s = retry_s
         self._timeout_s = timeout_s
+        self._on_in_sync = on_in_sync     # the backup's copy became whole (the ps tells the chief)
         self._lock = threading.Lock()
         self._target: tuple[str, str] | None = None       # (member id, address) of the backup
         self._channel: grpc.Channel | None = None
@@ -221,9 +224,15 @@ class Replicator:
     # ------------------------------------------------------------ forwarding (shard lock held)
 
     def __call__(self, u: Update) -> None:
+        """Returns once the backup holds ``u`` (or the view names none, or a copy for a new one is under
+        way and will carry it); raises if the update must not be applied: the backup refused it (another
+        ps is primary) or the replicator was closed (the view dropped this copy)."""
         warned = False
         while True:
             with self._lock:
+                if self._stop.is_set():             # closed: this copy is being dropped, not retargeted
+                    raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
+                                      f"was dropped while it was on its way to the backup")
                 gen, state, stubs = self._generation, self._state, self._stubs
                 if state == "none" or stubs is None:
                     return
@@ -345,7 +354,9 @@ class Replicator:
             for u in items:
                 self._send(stubs, u)
             with self._lock:
-                if gen == self._generation:
-                    self._state = "in_sync"
+                if gen != self._generation:
+                    return
+                self._state = "in_sync"
+        self._on_in_sync()
         log.info("shard %d: backup %s in sync from version %d (%d bytes copied in %.2fs)", self.shard_id,
                  self.backup, version, len(data), time.perf_counter() - t0)

@@ -43,7 +43,9 @@ class PSServer:
         if not advertise:
             advertise = bind_host if bind_host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.address = f"{advertise}:{self.port}"
-        self.chief = ChiefClient(chief, pb.PS, host=socket.gethostname(), address_advertised=self.address)
+        self.chief = ChiefClient(chief, pb.PS, host=socket.gethostname(), address_advertised=self.address,
+                                 heartbeat_extra=self._fill_heartbeat)
+        self.host.on_backup_complete = self.chief.heartbeat_now     # the chief learns it within a round trip
 
     def start(self) -> "PSServer":
         warm_up()
@@ -83,6 +85,10 @@ class PSServer:
             self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host)
             self.metrics_endpoint.announce("ps", self.chief.member_id)
         return self
+
+    def _fill_heartbeat(self, req: pb.HeartbeatRequest) -> None:
+        """Tells the chief which backups of this server's primaries hold a whole copy (only those it promotes)."""
+        req.backups_complete.extend(pb.ShardCopy(shard=k, backup_id=b) for k, b in self.host.backups_complete())
 
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")

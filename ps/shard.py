@@ -26,7 +26,7 @@ from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
 from shoal.optim import build_optimizer
 from shoal.config import OptimizerSpec
 from shoal.wire import encode_weights, pull_itemsize
-from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from shoal.errors import NOT_PRIMARY, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,7 @@ class Shard:
         with self._cond:
             self._pushed.add(worker)
             while True:
-                if self.fenced:
-                    raise Unavailable(f"shard {self.shard_id} here is no longer the primary: {self.fenced}")
+                self._check_not_fenced()
                 if key and (key in self._keys or key in self._round_keys):
                     return PushResult(True, self.version, "duplicate key", duplicate=True)
                 if batch is not None:
@@ -237,15 +236,38 @@ class Shard:
             try:
                 self.replicator(update)
             except Exception as exc:
-                self.fenced = str(exc) or type(exc).__name__
                 log.error("shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
-                          self.shard_id, update.version, self.fenced)
-                self._cond.notify_all()
+                          self.shard_id, update.version, str(exc) or type(exc).__name__)
+                self._fence_locked(str(exc) or type(exc).__name__)
                 raise
+            # The view may have dropped this copy while the update was on its way (fenced is set
+            # without the lock, so that a replicator holding it cannot delay the view): not applied.
+            self._check_not_fenced()
         self._apply(update)
         self._round_sum, self._round_workers, self._round_keys = None, set(), []
         self._round_batches = {}
         log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
+
+    def fence(self, why: str) -> None:
+        """Another ps is this shard's primary now: this copy never applies or serves again.
+
+        The open round is discarded (its workers re-send to the new primary, whose keys and ledger
+        keep every push applied once); pushes waiting here fail, and pulls waiting for a version
+        wake at once and fail, both with a :data:`NOT_PRIMARY` refusal that sends the worker to the
+        view. The flag is set before the lock is taken, so a round on its way to the backup sees it.
+        """
+        self.fenced = self.fenced or why
+        with self._cond:
+            self._fence_locked(why)
+
+    def _fence_locked(self, why: str) -> None:
+        self.fenced = self.fenced or why
+        self._round_sum, self._round_workers, self._round_keys, self._round_batches = None, set(), [], {}
+        self._cond.notify_all()
+
+    def _check_not_fenced(self) -> None:
+        if self.fenced:
+            raise FailedPrecondition(f"shard {self.shard_id} here is {NOT_PRIMARY} any more: {self.fenced}")
 
     def _close_round_quietly(self) -> None:
         """Closes a round that became complete without a push (membership, thaw); a failure is logged."""
@@ -298,9 +320,11 @@ class Shard:
     # ------------------------------------------------------------ reads
 
     def wait_version(self, min_version: int, timeout_s: float) -> int:
-        """Blocks until ``version >= min_version``; DeadlineExceeded after ``timeout_s``."""
+        """Blocks until ``version >= min_version``; DeadlineExceeded after ``timeout_s``; a refusal as soon
+        as the copy is fenced (:meth:`fence`), whatever version it holds."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.version >= min_version, timeout=timeout_s)
+            ok = self._cond.wait_for(lambda: self.version >= min_version or self.fenced, timeout=timeout_s)
+            self._check_not_fenced()
             if not ok:
                 raise DeadlineExceeded(f"shard {self.shard_id} still at version {self.version} "
                                        f"after {timeout_s:.1f}s (waiting for {min_version})")
@@ -315,6 +339,7 @@ class Shard:
         view is only valid during the call.
         """
         with self._cond:
+            self._check_not_fenced()
             key = (codec, build is not None)
             cached = self._snapshots.get(key)
             if cached is not None and cached[0] == self.version:
@@ -330,6 +355,7 @@ class Shard:
         much smaller than the weights)."""
         itemsize = pull_itemsize(codec)
         with self._cond:
+            self._check_not_fenced()
             idx = self.changes.changed_since(since, self.version)
             if idx is None or len(idx) * (4 + itemsize) > self.numel * itemsize // 2:
                 return None

@@ -272,6 +272,11 @@ def export_state_dict(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 def export_to_file(ckpt_path_or_root: str | Path, out_path: str | Path) -> Path:
     """Writes :func:`export_state_dict` of a checkpoint dir, or of the latest under a root, with torch.save."""
+    return export_checkpoint(ckpt_path_or_root, out_path)[0]
+
+
+def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path) -> tuple[Path, "Checkpoint"]:
+    """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path)."""
     src = Path(ckpt_path_or_root)
     ckpt = open_checkpoint(src) if (src / MANIFEST).is_file() else load_latest(src)
     if ckpt is None:
@@ -281,4 +286,4 @@ def export_to_file(ckpt_path_or_root: str | Path, out_path: str | Path) -> Path:
     torch.save(export_state_dict(ckpt), tmp)
     os.replace(tmp, out)
     log.info("exported %s (step %d, %d parameter(s)) to %s", ckpt.path, ckpt.step, len(ckpt.layout), out)
-    return out
+    return out, ckpt

@@ -330,3 +330,35 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if CKPT_RE.match(p.name) and (p / MANIFEST).is_file()]
     return sorted(found, key=_step_of, reverse=True)
+
+
+# ---------------------------------------------------------------- failed checkpoints
+
+FAILURES = "failed.json"     # under the root: the newest failed checkpoint attempt, for `shoal export`
+
+
+def record_failure(root: str | Path, step: int, error: str) -> None:
+    """Notes under ``root`` that checkpoint ``step`` failed (``error``), counting failures since the newest
+    success. Best effort: a full disk may refuse this small file too (the chief's status still counts it)."""
+    root = Path(root)
+    previous = read_failure(root) or {}
+    newest = list_checkpoints(root)
+    if newest and _step_of(newest[0]) > int(previous.get("step", -1)):
+        previous = {}                    # a checkpoint succeeded since: count afresh
+    record = {"step": int(step), "error": error, "at": time.time(), "failures": int(previous.get("failures", 0)) + 1}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{FAILURES}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, root / FAILURES)
+    except OSError as exc:
+        log.warning("cannot note the failed checkpoint under %s either (%s)", root, exc)
+
+
+def read_failure(root: str | Path) -> dict[str, Any] | None:
+    """The newest failed attempt noted under ``root`` (``step``, ``error``, ``failures``), or None."""
+    try:
+        record = json.loads((Path(root) / FAILURES).read_text())
+        return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+    except (OSError, ValueError):
+        return None

@@ -44,6 +44,7 @@ class ChiefClient:
         self._view_cond = threading.Condition()
         self._listeners: list[Callable[[pb.ClusterView], None]] = []
         self._stop = threading.Event()
+        self._beat_now = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------ lifecycle
@@ -80,9 +81,14 @@ class ChiefClient:
             except grpc.RpcError as exc:
                 log.warning("leave: chief unreachable (%s); the lease will expire instead", exc.code().name)
 
+    def heartbeat_now(self) -> None:
+        """Sends the next heartbeat at once rather than at its period (news the chief should have soon)."""
+        self._beat_now.set()
+
     def close(self) -> None:
         """Stops the background threads; closing the channel first cancels a watch that is waiting."""
         self._stop.set()
+        self._beat_now.set()
         self.channel.close()
         for t in self._threads:
             t.join(timeout=2)
@@ -113,7 +119,8 @@ class ChiefClient:
             return self._view
 
     def refresh_view(self) -> pb.ClusterView:
-        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=10)
+        # about a lease: a chief that stopped answering (paused) fails this like a dead one would
+        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=max(1.0, self.lease_seconds))
         self._set_view(view)
         return view
 
@@ -122,7 +129,11 @@ class ChiefClient:
     def _heartbeat_loop(self) -> None:
         period = max(0.05, self.lease_seconds / 4)
         failures = 0
-        while not self._stop.wait(period):
+        while True:
+            self._beat_now.wait(period)
+            self._beat_now.clear()
+            if self._stop.is_set():
+                return
             try:
                 req = pb.HeartbeatRequest(member_id=self.member_id, counters=convert.counters_to_pb(self._counters()))
                 if self._heartbeat_extra is not None:

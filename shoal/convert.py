@@ -52,7 +52,8 @@ def view_to_pb(view: View) -> pb.ClusterView:
                                step_seconds=view.step_seconds.get(m.member_id, 0.0),
                                straggler=m.member_id in view.stragglers) for m in view.members],
         shards=[pb.ShardRoute(shard=r.shard, primary_id=r.member_id, primary_address=r.address,
-                                    backup_id=r.backup_id, backup_address=r.backup_address) for r in view.routes],
+                                    backup_id=r.backup_id, backup_address=r.backup_address,
+                                    backup_complete=r.backup_complete) for r in view.routes],
         ready=view.ready, job=job_to_pb(view.job), layout_fingerprint=view.fingerprint,
         completed_epochs=view.completed_epochs)
 

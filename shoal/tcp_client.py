@@ -40,6 +40,7 @@ class TcpDataChannel:
         self.credential = credential
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[socket.socket] = []
+        self._busy: set[socket.socket] = set()     # in a call now: close() cuts them short
         self._lock = threading.Lock()
         self._closed = False
 
@@ -67,10 +68,17 @@ class TcpDataChannel:
         return sock
 
     def close(self) -> None:
+        """Closes the channel; a call blocked on it now (a peer that stopped answering) fails at once with
+        CANCELLED rather than at its timeout."""
         with self._lock:
-            self._closed, idle, self._idle = True, self._idle, []
+            self._closed, idle, self._idle, busy = True, self._idle, [], list(self._busy)
         for s in idle:
             s.close()
+        for s in busy:
+            try:
+                s.shutdown(socket.SHUT_RDWR)     # wakes the thread blocked in recv/send; it closes the socket
+            except OSError:
+                pass
 
     def call(self, fn: Callable[[socket.socket], T], timeout_s: float) -> T:
         """Runs ``fn`` on an idle connection (or a new one) with ``timeout_s`` per socket wait."""
@@ -78,9 +86,16 @@ class TcpDataChannel:
             if self._closed:
                 raise tc.ChannelError(grpc.StatusCode.CANCELLED, f"data channel to {self.host}:{self.port} closed")
             sock = self._idle.pop() if self._idle else None
+            if sock is not None:
+                self._busy.add(sock)
         try:
             if sock is None:
                 sock = self.connect()
+                with self._lock:
+                    self._busy.add(sock)
+                    closed = self._closed
+                if closed:
+                    raise OSError("closed while connecting")
             sock.settimeout(timeout_s)
             out = fn(sock)
         except ChannelRefusal as r:       # a whole reply was read: the connection is still good
@@ -92,6 +107,9 @@ class TcpDataChannel:
                                   f"no answer from {self.host}:{self.port} within {timeout_s:.0f}s") from None
         except OSError as exc:            # ConnectionError included
             self._discard(sock)
+            if self._closed:
+                raise tc.ChannelError(grpc.StatusCode.CANCELLED, f"data channel to {self.host}:{self.port} "
+                                      f"closed during the call") from None
             raise tc.ChannelError(grpc.StatusCode.UNAVAILABLE,
                                   f"data channel to {self.host}:{self.port}: {exc}") from None
         except BaseException:
@@ -103,14 +121,16 @@ class TcpDataChannel:
     def release(self, sock: socket.socket) -> None:
         """Puts a good connection back for the next call (closed instead once the channel is)."""
         with self._lock:
+            self._busy.discard(sock)
             if not self._closed:
                 self._idle.append(sock)
                 return
         sock.close()
 
-    @staticmethod
-    def _discard(sock: socket.socket | None) -> None:
+    def _discard(self, sock: socket.socket | None) -> None:
         if sock is not None:
+            with self._lock:
+                self._busy.discard(sock)
             sock.close()
 
 

@@ -19,6 +19,7 @@ class Route:
     address: str
     backup_id: str = ""
     backup_address: str = ""
+    backup_complete: bool = False       # its primary reported the backup's copy whole (promotable)
 
 
 @dataclass(frozen=True)

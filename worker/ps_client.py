@@ -7,9 +7,10 @@ so callers handle them alike.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 import grpc
 import numpy as np
@@ -23,11 +24,31 @@ from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs, decode_weights, pull_itemsize
 from shoal import tcp_client
+from shoal.tcp_channel import ChannelError
 from shoal.tcp_client import TcpDataChannel, negotiate
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TRANSPORTS = ("tcp", "grpc")
+
+
+def _cancelled_once_closed(method: Callable[..., T]) -> Callable[..., T]:
+    """A call on a client that was closed (the view moved its shard: :meth:`ShardClient.close`) fails as
+    CANCELLED, which the worker takes for a failover, also when it started before the close."""
+    @functools.wraps(method)
+    def call(self: "ShardClient", *args, **kwargs):
+        if self.closed:
+            raise ChannelError(grpc.StatusCode.CANCELLED, f"shard {self.shard}: the client of "
+                                             f"{self.address} was closed (the shard moved)")
+        try:
+            return method(self, *args, **kwargs)
+        except ValueError:              # gRPC: "Cannot invoke RPC on closed channel!"
+            if not self.closed:
+                raise
+            raise ChannelError(grpc.StatusCode.CANCELLED, f"shard {self.shard}: the client of "
+                                             f"{self.address} was closed (the shard moved)") from None
+    return call
 TCP_CHUNK_BYTES = 16 << 20     # the TCP channel needs no small frames; chunks only bound encoding memory
 
 
@@ -56,6 +77,7 @@ class ShardClient:
         self._negotiated = transport == "grpc"
         self._lock = threading.Lock()
         self._scratch = bytearray()
+        self.closed = False
 
     @property
     def chunk_bytes(self) -> int:
@@ -75,6 +97,8 @@ class ShardClient:
         return self._data_channel()
 
     def close(self) -> None:
+        """Closes both transports; calls in flight on them fail at once with CANCELLED."""
+        self.closed = True
         if self._tcp is not None:
             self._tcp.close()
         self.channel.close()
@@ -90,11 +114,13 @@ class ShardClient:
                 self._negotiated = True
             return self._tcp
 
+    @_cancelled_once_closed
     def status(self, timeout_s: float = 10) -> pb.ShardStatus:
         """The shard's state on this server (its version, its optimizer, ...)."""
         stub = pb_grpc.ParameterServerStub(self.channel)
         return stub.Status(pb.StatusRequest(shard=self.shard, by_shard=True), timeout=timeout_s)
 
+    @_cancelled_once_closed
     def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60) -> pb.InitReply:
         opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams))
         raw = frames.tensor_bytes(values)
@@ -113,6 +139,7 @@ class ShardClient:
 
         return pb.InitReply.FromString(self._stubs.init(gen(), timeout=timeout_s))
 
+    @_cancelled_once_closed
     def push(self, chunks: list[tuple[int, int, str, bytes]], *, worker: str, version: int, key: str,
              view_epoch: int, samples: int, timeout_s: float = 60, **batch: object) -> tuple[pb.PushReply, int]:
         """Pushes encoded chunks ``(offset, numel, codec_tag, payload)``; returns the reply and bytes sent.
@@ -136,6 +163,7 @@ class ShardClient:
             reply = pb.PushReply.FromString(self._stubs.push(iter(framed), timeout=timeout_s))
         return reply, sent
 
+    @_cancelled_once_closed
     def pull(self, out: torch.Tensor, min_version: int = 0, codec: str = "none",
              timeout_s: float = 60, since: int | None = None) -> tuple[int, int]:
         """Fills ``out`` (this shard's fp32 slice) with the weights; returns (version, bytes received).

@@ -55,6 +55,19 @@ class ShardRoutes:
         self._lock = threading.Lock()
         self.failover_timeout_s = 120.0
         self.failovers = 0
+        chief.on_view(self._follow_view)
+
+    def _follow_view(self, view: pb.ClusterView) -> None:
+        """The view moved a shard away from the server this worker calls for it (promoted its backup over a
+        paused or dead primary): close that client, so a push or pull blocked on the old server fails at
+        once and :meth:`reroute` follows the view, rather than waiting out the call's timeout."""
+        for route in view.shards:
+            client = self.clients.get(route.shard)
+            if client is not None and route.primary_address and route.primary_address != client.address \
+                    and not client.closed:
+                log.info("shard %d: the view names %s primary; leaving %s", route.shard, route.primary_id,
+                         client.address)
+                client.close()
 
     def reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
         """The shard's server failed or is no longer its primary: follow the view to the one that is.
@@ -99,7 +112,8 @@ class ShardRoutes:
             return
         try:
             reply = self.chief.stub.ReportUnreachable(
-                pb.UnreachableReport(reporter_id=self._member_id(), member_id=route.primary_id), timeout=5)
+                pb.UnreachableReport(reporter_id=self._member_id(), member_id=route.primary_id),
+                timeout=max(1.0, 2 * self.chief.lease_seconds))   # the chief probes it: a lease or so
             if reply.expired:
                 log.warning("shard %d: the chief confirmed %s is gone", shard, route.primary_id)
         except grpc.RpcError as exc:

@@ -172,7 +172,6 @@ class Trainer:
 
     def _initialise_or_pull(self) -> None:
         def one(shard: int) -> None:
-            client = self._clients[shard]
             a, b = self.plan.ranges[shard]
             try:
                 self._pull_shard(shard)
@@ -180,7 +179,15 @@ class Trainer:
             except grpc.RpcError as exc:
                 if not is_uninitialised(exc):
                     raise
-            reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+            while True:                 # a server that dies meanwhile: follow the view, as the pulls do
+                client = self._clients[shard]
+                try:
+                    reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+                    break
+                except grpc.RpcError as exc:
+                    if not is_failover(exc):
+                        raise
+                    self.routes.reroute(shard, client, exc)
             if reply.created:
                 log.info("initialised shard %d from this worker's weights", shard)
             self._pull_shard(shard)
@@ -189,8 +196,16 @@ class Trainer:
 
     def _follow_shards(self) -> None:
         """Applies what each shard's optimizer leaves to the workers (``worker_momentum``, ``worker_beta2``)."""
-        for shard, client in self._clients.items():
-            status = with_retries(lambda: client.status(), what=f"status of shard {shard}", deadline_s=60)
+        for shard in list(self._clients):
+            while True:
+                client = self._clients[shard]
+                try:
+                    status = client.status(timeout_s=max(1.0, 2 * self.chief.lease_seconds))
+                    break
+                except grpc.RpcError as exc:
+                    if not is_failover(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+                    self.routes.reroute(shard, client, exc)   # follows the view (or tries it again)
             self.momentum.follow(shard, dict(status.optimizer.hparams))
             if self.momentum.active(shard):
                 log.info("shard %d: %s applied here, before compression (momentum correction)",

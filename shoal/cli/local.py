@@ -427,6 +427,13 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         tmp.replace(path)
+    if summary.get("checkpoints_failed"):
+        log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
+                  summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
+                  summary.get("checkpoint_step", "none"))
+    if summary.get("lost_shards"):
+        log.error("shard(s) %s lost acknowledged updates during the run (--recovery %s): exactly_once is false",
+                  summary["lost_shards"], summary.get("recovery", "?"))
     out.write("\n".join(result_lines(summary, ok, cfg.summary, console.log_path)) + "\n")
     out.flush()
     return 0 if ok else 1
@@ -449,4 +456,8 @@ def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats
             summary.update(restored_from=stats.restored_from, restored_step=stats.restored_step)
         if stats.checkpoints_written:
             summary.update(checkpoint_step=stats.checkpoint_step, checkpoints_written=stats.checkpoints_written)
+        if stats.checkpoints_failed:
+            summary.update(checkpoints_failed=stats.checkpoints_failed,
+                           checkpoint_failed_step=stats.checkpoint_failed_step,
+                           checkpoint_error=stats.checkpoint_error)
     return summary

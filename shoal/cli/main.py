@@ -190,13 +190,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shoal.checkpoint import export_to_file
+    from shoal.checkpoint import export_checkpoint
+    from shoal.checkpoint_store import read_failure
 
     try:
-        out = export_to_file(args.checkpoint, args.out)
+        out, ckpt = export_checkpoint(args.checkpoint, args.out)
     except OSError as exc:
         raise ShoalError(f"cannot export {args.checkpoint} to {args.out}: {exc}") from exc
-    print(f"wrote {out}")
+    print(f"wrote {out}: step {ckpt.step} from {ckpt.path}")
+    failure = read_failure(Path(ckpt.path).parent)
+    if failure is not None and failure["step"] > ckpt.step:
+        print(f"warning: {failure.get('failures', 1)} later checkpoint attempt(s) failed, the newest at step "
+              f"{failure['step']} ({failure.get('error', '?')}): this export is older than the job's state",
+              file=sys.stderr)
     return 0
 
 

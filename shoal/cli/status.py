@@ -25,7 +25,7 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
     shards = []
     for route in view.shards:
         entry: dict[str, Any] = {"shard": route.shard, "primary": route.primary_id, "address": route.primary_address,
-                                 "backup": route.backup_id}
+                                 "backup": route.backup_id, "backup_complete": route.backup_complete}
         sch = open_channel(route.primary_address)
         try:
             st = pb_grpc.ParameterServerStub(sch).Status(pb.StatusRequest(shard=route.shard, by_shard=True),
@@ -58,6 +58,10 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
             "epochs": {"completed": stats.completed_epochs, "total": stats.epochs,
                        "batches_per_epoch": stats.batches_per_epoch},
             "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples},
+            "checkpoints": {"written": stats.checkpoints_written, "step": stats.checkpoint_step,
+                            "failed": stats.checkpoints_failed, "failed_step": stats.checkpoint_failed_step,
+                            "error": stats.checkpoint_error},
+            "lost_shards": list(stats.lost_shards),
             "alerts": alerts_of(dict(stats.metrics))}
 
 
@@ -125,6 +129,12 @@ def render(s: dict[str, Any]) -> str:
            f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
            "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
+    ck = s.get("checkpoints", {})
+    if ck.get("failed"):
+        out[1:1] = [f"CHECKPOINTS FAILING: {ck['failed']} attempt(s) failed, the newest at step {ck['failed_step']} "
+                    f"({ck['error']}); the newest checkpoint is step {ck['step'] or 'none'}"]
+    if s.get("lost_shards"):
+        out[1:1] = [f"LOST: shard(s) {s['lost_shards']} lost acknowledged updates (exactly-once no longer holds)"]
     for m in s["members"]:
         flags = "STRAGGLER" if m.get("straggler") else ""
         lag = "" if m.get("lag") is None else str(m["lag"])
@@ -137,7 +147,9 @@ def render(s: dict[str, Any]) -> str:
             out.append(f"{sh['shard']:<6} {sh['primary']:<10} {sh.get('backup') or '-':<10} unreachable ({sh['error']})")
             continue
         ledger = " ".join(f"{e['epoch']}:{e['batches']}x{e['max_count']}" for e in sh["ledger"][-4:])
-        backup = f"{sh['backup'] or '-'}{'' if sh.get('backup_state') in ('in_sync', None) else '*'}"
+        # '*': the chief has not heard from the primary that this backup's copy is whole (it would not
+        # promote it)
+        backup = f"{sh['backup'] or '-'}{'*' if sh['backup'] and not sh.get('backup_complete') else ''}"
         out.append(f"{sh['shard']:<6} {sh['primary']:<10} {backup:<10} {sh['version']:>8} {sh['applied']:>8} "
                    f"{sh['dropped']:>8}  {ledger}")
     if s.get("alerts"):

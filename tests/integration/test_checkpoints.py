@@ -171,7 +171,7 @@ def test_resuming_with_another_model_is_refused_with_the_parameter_names(interru
 def test_export_writes_a_state_dict_the_model_loads_strictly(interrupted, tmp_path, capsys):
     out = tmp_path / "model.pt"
     assert cli.main(["export", str(interrupted[0]), str(out)]) == 0
-    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    assert capsys.readouterr().out.strip() == f"wrote {out}: step {load_latest(interrupted[0]).step} from {load_latest(interrupted[0]).path}"
     model = mlp(5)
     model.load_state_dict(torch.load(out), strict=True)
     assert torch.equal(weights(model), load_latest(interrupted[0]).flat_values())

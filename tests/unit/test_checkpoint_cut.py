@@ -298,6 +298,8 @@ def test_a_failed_write_aborts_thaws_and_tries_again_next_interval(tmp_path, cap
     j.push(1, 2)
     assert j.cp.maybe_checkpoint() is None
     assert "aborted (UNAVAILABLE: disk on fire); trying again at the next interval" in caplog.text
+    assert j.state.checkpoints.stats()["checkpoints_failed"] == 1                # counted, shown in status
+    assert "disk on fire" in j.state.checkpoints.stats()["checkpoint_error"]
     assert not list_checkpoints(tmp_path) and not list(tmp_path.glob(".tmp-ckpt-*"))
     assert all(s.push("w", s.version, torch.ones(s.numel)).accepted for s in j.shards)   # nobody stayed frozen
     j.failing.clear()

@@ -129,6 +129,7 @@ def make_state(clock):
     s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0), clock)
     p0, _ = s.join_ps("h:1")
     p1, _ = s.join_ps("h:2")
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})   # p1 holds a whole copy of shard 0
     w0, w1 = s.join_worker(LAYOUT), s.join_worker(LAYOUT)
     spec = DatasetSpec(size=64, batch_size=8, epochs=2, batches_per_task=2)
     got, _ = s.take_tasks(w0.member_id, spec, 2)

@@ -69,6 +69,7 @@ def test_each_shard_gets_a_backup_on_another_ps_and_a_dead_primary_is_replaced_b
     assert routes(s) == {0: (p0.member_id, "")}                  # nobody to back it up yet
     p1, _ = s.join_ps("h:2")
     assert routes(s) == {0: (p0.member_id, p1.member_id), 1: (p1.member_id, p0.member_id)}
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})   # p1's copy of shard 0 is whole
     e = s.epoch
     clock.advance(1.5)
     s.heartbeat(p1.member_id)
@@ -258,3 +259,80 @@ def test_a_worker_that_died_between_two_view_watches_is_ended_after_a_sixth_of_i
     clock.advance(0.2)                                     # half a second (lease / 6) without a watch
     assert [m.member_id for m in s.tick()] == [a.member_id]
     assert s.members.get(b.member_id).live
+
+
+def test_a_chief_that_stood_still_extends_every_lease_by_its_own_gap(clock):
+    """Paused 10 s with a 1.5 s lease (issue 20): on waking, nobody is expired for the chief's own silence."""
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=1.5), clock)
+    s.members.bridge_pauses_over(0.6)          # the ticker checks every 0.2 s
+    ps = [s.join_ps(f"h:{i}")[0] for i in range(2)]
+    w = s.join_worker(LAYOUT)
+    for _ in range(5):                         # a healthy ticker: checks close together, leases renewed
+        clock.advance(0.2)
+        for m in (*ps, w):
+            s.heartbeat(m.member_id)
+        assert s.tick() == []
+    epoch = s.epoch
+    clock.advance(10.0)                        # SIGSTOP: no tick, no heartbeat read
+    assert s.tick() == [] and s.epoch == epoch  # the waiting heartbeats come next, not a lost job
+    assert all(s.members.get(m.member_id).live for m in (*ps, w)) and not s.lost
+    assert s.members.pauses_bridged == 1
+    for _ in range(9):                         # ps-1 really died meanwhile: it goes a lease after the wake
+        clock.advance(0.2)
+        s.heartbeat(ps[0].member_id)
+        s.heartbeat(w.member_id)
+        s.tick()
+    assert [m.member_id for m in s.members.alive()] == [ps[0].member_id, w.member_id]
+
+
+def test_without_a_pause_a_lapsed_lease_still_expires(clock):
+    m = Membership(lease_seconds=1.5, clock=clock)
+    m.bridge_pauses_over(0.6)
+    a, b = m.join(Role.WORKER), m.join(Role.WORKER)
+    for _ in range(10):                        # the chief runs on; b stopped heartbeating
+        clock.advance(0.2)
+        m.heartbeat(a.member_id)
+        m.expire()
+    assert a.live and not b.live
+    clock.advance(0.5)                         # a gap under the threshold is ordinary jitter: no extension
+    m.heartbeat(a.member_id)
+    assert m.expire() == [] and m.pauses_bridged == 0
+
+
+def test_a_backup_is_promoted_only_once_its_primary_said_its_copy_is_whole(clock):
+    """Killing the primary before, during and after the backup's first copy (issue 20)."""
+    def kill_primary(recovery, report):
+        s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0, recovery=recovery), clock)
+        p0, p1 = s.join_ps("h:1")[0], s.join_ps("h:2")[0]
+        assert not any(r.backup_complete for r in s.view().routes)       # shoal status: "ps-1*"
+        if report:
+            s.heartbeat(p0.member_id, backups_complete=report(p0, p1))
+        clock.advance(1.5)
+        s.heartbeat(p1.member_id)
+        clock.advance(1.0)
+        assert [m.member_id for m in s.tick()] == [p0.member_id]
+        return s, p1
+
+    s, p1 = kill_primary("consistent", None)                             # before or during the copy
+    assert s.stopped and "had not finished receiving its copy" in s.stopped and s.lost == [0]
+    assert 0 not in s.routing and routes(s) == {1: (p1.member_id, "")}
+    s, p1 = kill_primary("consistent", lambda p0, p1: {0: "ps-9", 1: p1.member_id})  # not its backup, not its shard
+    assert s.stopped and s.lost == [0]
+    s, p1 = kill_primary("fast", None)                                   # goes on with it, and says so
+    assert not s.stopped and s.lost == [0] and s.routing[0] == p1.member_id
+    s, p1 = kill_primary("consistent", lambda p0, p1: {0: p1.member_id})  # just after: promoted, nothing lost
+    assert not s.stopped and s.lost == [] and s.routing == {0: p1.member_id, 1: p1.member_id}
+
+
+def test_a_new_backup_starts_incomplete_until_its_primary_reports_it(clock):
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0), clock)
+    p0, p1 = s.join_ps("h:1")[0], s.join_ps("h:2")[0]
+    e = s.epoch
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})
+    assert s.epoch == e + 1 and [r.backup_complete for r in s.view().routes] == [True, False]
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})
+    assert s.epoch == e + 1                                              # said again: no new view
+    s.leave(p1.member_id)
+    p2 = s.join_ps("h:3", member_id=p1.member_id)[0]                     # same id back, as a new backup
+    assert [r.backup_complete for r in s.view().routes if r.shard == 0] == [False]
+    assert ChiefState.from_dict(s.to_dict(), clock).complete == s.complete

@@ -1,0 +1,53 @@
+"""A checkpoint that cannot be written (a full disk) is a counted, visible error: the chief's stats and
+``shoal status`` show it, ``shoal export`` says which step it exports and that later attempts failed."""
+import errno
+
+from shoal import cli
+from shoal.checkpoint import load_latest
+from shoal.checkpoint_store import CheckpointWriter, read_failure, record_failure
+from shoal.cli.status import collect, render
+from shoal.worker import Trainer
+from harness import wait_until
+
+from test_checkpoints import cluster, job_stats, mlp, train
+
+
+def test_a_full_disk_is_counted_shown_and_named_by_export(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "ckpts"
+    c = cluster(1, root)
+    try:
+        model = mlp(0)
+        t = Trainer(model, chief=c.chief_address, optimizer="adam", lr=0.02)
+        train(t, model, until=lambda: job_stats(c).checkpoints_written >= 1)
+        good = load_latest(root).step
+
+        def full(self, step):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(CheckpointWriter, "begin", full)
+        train(t, model, until=lambda: job_stats(c).checkpoints_failed >= 2)
+        stats = job_stats(c)
+        assert stats.checkpoints_failed >= 2 and stats.checkpoint_failed_step > good
+        assert "No space left on device" in stats.checkpoint_error
+        assert load_latest(root).step == good                          # nothing half-written took its place
+        shown = render(collect(c.chief_address))
+        assert f"CHECKPOINTS FAILING: {stats.checkpoints_failed} attempt(s) failed" in shown
+        t.close()
+    finally:
+        c.stop()
+    capsys.readouterr()
+    assert cli.main(["export", str(root), str(tmp_path / "m.pt")]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().startswith(f"wrote {tmp_path / 'm.pt'}: step {good} from ")
+    assert "later checkpoint attempt(s) failed" in err and "No space left on device" in err
+    assert err.count("\n") == 1                                      # one line
+
+
+def test_failures_are_counted_afresh_after_a_checkpoint_succeeds(tmp_path):
+    record_failure(tmp_path, 10, "boom")
+    record_failure(tmp_path, 12, "boom")
+    assert read_failure(tmp_path)["failures"] == 2
+    (tmp_path / "ckpt-000000000020").mkdir()
+    (tmp_path / "ckpt-000000000020" / "manifest.json").write_text("{}")
+    record_failure(tmp_path, 24, "again")
+    got = read_failure(tmp_path)
+    assert (got["step"], got["error"], got["failures"]) == (24, "again", 1)
