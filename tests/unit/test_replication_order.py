@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import FailedPrecondition, NotFound, Unavailable
+from shoal.errors import NOT_PRIMARY, FailedPrecondition, NotFound, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.host import ShardHost
@@ -95,11 +95,11 @@ def test_a_fenced_primary_refuses_pushes_and_pulls_and_applied_nothing():
         assert s.fenced and FENCED in s.fenced
         assert s.version == 1 and torch.equal(s.values(), ones(-1))       # the refused update was not applied
         assert s.ledger.starts(0) == {0: 1}                                # nor its batch counted
-        with pytest.raises(Unavailable, match="no longer the primary"):
+        with pytest.raises(FailedPrecondition, match=NOT_PRIMARY):
             s.push("w", 1, ones(5), key="k1", batch=BatchKey(0, 8))       # its retry is refused, not a duplicate
-        with pytest.raises(Unavailable, match="no longer the primary"):
+        with pytest.raises(FailedPrecondition, match=NOT_PRIMARY):
             s.push("w2", 1, ones(1), key="k2")
-        with pytest.raises(Unavailable, match="not the primary any more"):
+        with pytest.raises(FailedPrecondition, match=f"{NOT_PRIMARY} any more"):
             host.get(0)                                                    # what Push and Pull call first
         s.set_live_workers({"w", "w2"})                                    # nothing closes a round either
         assert s.version == 1
@@ -112,7 +112,7 @@ def test_a_primary_the_view_replaces_is_fenced_and_a_push_already_inside_is_refu
     try:
         host.set_view(frozenset({"w"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-b", primary_address="h:2")])
         assert s.fenced and "ps-b" in s.fenced
-        with pytest.raises(Unavailable, match="no longer the primary"):
+        with pytest.raises(FailedPrecondition, match=NOT_PRIMARY):
             s.push("w", 0, ones(1))                       # a worker that still holds the old route
         with pytest.raises((NotFound, FailedPrecondition)):
             host.get(0)
