@@ -29,6 +29,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
+from shoal.cli.supervise import RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class JobStopped(RuntimeError):
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], out: IO[str]):
         self.name = name
+        self.started = time.monotonic()
+        self.last_line = ""            # the child's last line of output: on a failure, usually why
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1,
                                      start_new_session=True, preexec_fn=_die_with_parent)
@@ -97,6 +100,8 @@ class Child:
         for line in self.proc.stdout:
             out.write(f"[{self.name}] {line}")
             out.flush()
+            if line.strip():
+                self.last_line = line.strip()
 
     @property
     def pid(self) -> int:
@@ -127,7 +132,9 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
-        self.restarts: dict[str, int] = {}
+        self.policy = RestartPolicy(cfg.restart, cfg.max_restarts, cfg.restart_backoff_s)
+        self.restarts = self.policy.restarts
+        self._gone: set[str] = set()          # servers left down (no restart): the job goes on without them
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
 
@@ -211,10 +218,8 @@ class LocalCluster:
                     break
                 if name.startswith("worker") and code == 0:
                     exits[name] = 0
-                elif self._should_restart(name):
-                    self._schedule_restart(name, code, now)
-                elif name.startswith("worker"):
-                    exits[name] = code
+                elif name not in self._restart_at and name not in self._gone:
+                    self._on_failure(name, child, code, now, exits)
             for name, when in list(self._restart_at.items()):
                 if now >= when:
                     del self._restart_at[name]
@@ -245,24 +250,30 @@ class LocalCluster:
                 args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
             self._spawn(name, args, env)
 
-    def _should_restart(self, name: str) -> bool:
-        return self.cfg.restart and self.restarts.get(name, 0) < self.cfg.max_restarts
-
-    def _schedule_restart(self, name: str, code: int, now: float) -> None:
-        if name in self._restart_at:
+    def _on_failure(self, name: str, child: Child, code: int, now: float, exits: dict[str, int]) -> None:
+        """Restart ``name`` later, or give up on it, or (an exit that would repeat) stop the run now."""
+        d = self.policy.on_exit(name, code, child.started, now)
+        if d.restart:
+            log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code,
+                        d.delay_s, self.restarts.get(name, 0) + 1, self.cfg.max_restarts)
+            self._restart_at[name] = now + d.delay_s
             return
-        n = self.restarts.get(name, 0)
-        delay = self.cfg.restart_backoff_s * (2 ** n)
-        log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code, delay,
-                    n + 1, self.cfg.max_restarts)
-        self._restart_at[name] = now + delay
+        child._pump.join(timeout=1)           # its last line, for the message
+        last = f": {child.last_line}" if child.last_line else ""
+        if d.fatal or name == "chief":
+            raise JobStopped(f"{name} exited with {code} and is not restarted ({d.why}){last}")
+        if name.startswith("worker"):
+            exits[name] = code
+        else:
+            log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", name, code, d.why)
+            self._gone.add(name)
 
     def _restart(self, name: str) -> None:
         args, env = self._launch[name]
         if name == "chief":            # same port: every member still knows the old address
             port = self.chief_address.rsplit(":", 1)[1]
             args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
-        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.policy.restarted(name)
         self._spawn(name, args, env)
 
     def drain(self) -> int:
@@ -366,6 +377,10 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     except JobStopped as exc:
         log.error("job stopped: %s", exc)
         cluster.stop()
+        if cfg.summary:
+            _write_json(Path(cfg.summary), {**build_summary(cfg, {}, time.monotonic() - started, None),
+                                            "error": str(exc), "restarts": dict(cluster.restarts),
+                                            "rollbacks": cluster.rollbacks})
         return 3
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -382,14 +397,17 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     summary["restarts"] = dict(cluster.restarts)
     summary["rollbacks"] = cluster.rollbacks
     if cfg.summary:
-        path = Path(cfg.summary)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(path)
+        _write_json(Path(cfg.summary), summary)
     log.info("training %s in %.1fs: %s", "finished" if ok else "FAILED", seconds,
              json.dumps({k: summary[k] for k in ("steps", "test_accuracy") if k in summary}))
     return 0 if ok else 1
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:

@@ -15,7 +15,7 @@ import grpc
 
 from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
-from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
+from shoal.errors import EXIT_ROLLBACK, EXIT_USAGE, InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
 
@@ -260,5 +260,5 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ShoalError as exc:
         print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", EXIT_USAGE)   # e.g. EXIT_REFUSED: a supervisor must not restart it
 
