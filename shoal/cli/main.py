@@ -15,7 +15,7 @@ import grpc
 
 from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
-from shoal.errors import EXIT_ROLLBACK, EXIT_USAGE, InvalidArgument, ShoalError, Unavailable
+from shoal.errors import EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
 
@@ -117,10 +117,16 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     if not 0 <= args.data_port <= 65535:
         raise InvalidArgument(f"--data-port must be a port number (0: any free one), got {args.data_port}")
+    if not args.chief_timeout > 0:
+        raise InvalidArgument(f"--chief-timeout must be > 0 seconds, got {args.chief_timeout}")
     server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
-                      data_port=None if args.no_data_channel else args.data_port).start()
+                      data_port=None if args.no_data_channel else args.data_port,
+                      chief_timeout_s=args.chief_timeout).start()
     _write_port(args.port_file, server.port)
-    _serve_until_signalled(server)
+    _serve_until_signalled(server, server.gave_up)
+    if server.gave_up_reason:
+        print(f"shoal ps: error: {server.gave_up_reason}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     return 0
 
 
@@ -218,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the raw TCP data channel on the bind host (default 0: any free port)")
     p.add_argument("--no-data-channel", action="store_true",
                    help="offer no TCP data channel: workers push and pull over gRPC")
+    p.add_argument("--chief-timeout", type=float, default=float(os.environ.get("SHOAL_CHIEF_TIMEOUT", "300")),
+                   help="give up (exit 69) after this many seconds without reaching the chief (default 300)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.set_defaults(func=cmd_ps)
 

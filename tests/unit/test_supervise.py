@@ -5,6 +5,7 @@ import signal
 
 import pytest
 
+from shoal.cli.main import main
 from shoal.cli.supervise import RestartPolicy
 from shoal.errors import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 
@@ -61,3 +62,8 @@ def test_no_restart_and_max_restarts_give_up_without_failing_the_run():
     p.restarted("ps0")
     d = p.on_exit("ps0", -9, 0.0, 60.0)
     assert not d.restart and not d.fatal and "restarted 1 times" in d.why
+
+
+def test_a_ps_timeout_must_be_positive(capsys):
+    assert main(["ps", "--chief", "127.0.0.1:1", "--chief-timeout", "0"]) == EXIT_USAGE
+    assert "--chief-timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
