@@ -39,6 +39,8 @@ class ChiefClient:
         self._join_deadline_s = join_deadline_s
         self._lost_after_s = lost_after_s        # heartbeats failing this long: on_lost(why), and they stop
         self._on_lost = on_lost
+        self._join_lock = threading.Lock()       # a re-join from the heartbeat thread never follows a leave
+        self._left = False
         self.channel = open_channel(address)
         self.stub = pb_grpc.ChiefStub(self.channel)
         self.member_id = ""
@@ -82,7 +84,10 @@ class ChiefClient:
             listener(self._view)
 
     def leave(self) -> None:
-        self._stop.set()
+        """Leaves the job for good: this member id is not used again, even by a heartbeat in flight."""
+        with self._join_lock:
+            self._left = True
+            self._stop.set()
         if self.member_id:
             try:
                 self.stub.Leave(pb.LeaveRequest(member_id=self.member_id,
@@ -143,8 +148,11 @@ class ChiefClient:
                     log.info("chief reachable again after %d failed heartbeat(s)", failures)
                 failures = 0
                 if not reply.known:
-                    log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
-                    self.join()
+                    with self._join_lock:
+                        if self._left:          # the chief forgot us because we left: that is final
+                            return
+                        log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
+                        self.join()
             except ValueError:          # the channel was closed under the call: close() is under way
                 if self._stop.is_set():
                     return

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import grpc
@@ -16,6 +17,7 @@ from shoal.convert import layout_to_pb
 from shoal.dataset import DatasetSpec
 from shoal.errors import EXIT_UNREACHABLE, Unreachable
 from shoal.layout import ModelLayout, TensorSpec
+from shoal.members import MemberState
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.server import PSServer
 from shoal.worker.data import TaskFeed
@@ -85,3 +87,56 @@ def test_a_ps_that_loses_the_chief_gives_up_after_its_timeout():
         assert ps.gave_up_reason.startswith("gave up after") and chief.address in ps.gave_up_reason
     finally:
         ps.stop(grace_s=0.1)
+
+
+class HeldHeartbeats:
+    """The client's stub, except that a heartbeat is held until ``gate`` opens (a leave happens meanwhile)."""
+
+    def __init__(self, real):
+        self.real, self.gate, self.held = real, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def Heartbeat(self, req, timeout=None):
+        self.held.set()
+        self.gate.wait(10)
+        return self.real.Heartbeat(req, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_racing_a_leave_does_not_join_again():
+    chief = ChiefServer(JobConfig(num_shards=1, lease_seconds=0.8), bind="127.0.0.1:0", tick_s=0.05).start()
+    client = ChiefClient(chief.address, pb.WORKER, layout=LAYOUT)
+    try:
+        client.join()
+        me = client.member_id
+        stub = client.stub = HeldHeartbeats(client.stub)
+        client.start_background()
+        assert stub.held.wait(10)                             # a heartbeat is on its way ...
+        client.leave()                                        # ... the worker leaves ...
+        stub.gate.set()                                       # ... and the heartbeat arrives after the Leave
+        time.sleep(0.5)                                       # room for a (wrong) join to happen
+        client.close()
+        members = list(chief.state.members.all())
+        assert [(m.member_id, m.state) for m in members] == [(me, MemberState.LEFT)]
+    finally:
+        client.close()
+        chief.stop(grace_s=0.1)
+
+
+def test_a_join_asking_for_the_id_of_a_member_that_left_gets_a_new_id():
+    from shoal.chief.membership import Membership
+    from shoal.members import Role
+
+    now = [0.0]
+    m = Membership(3.0, lambda: now[0])
+    w = m.join(Role.WORKER)
+    m.leave(w.member_id)
+    again = m.join(Role.WORKER, member_id=w.member_id)
+    assert again.member_id != w.member_id and m.get(w.member_id).state is MemberState.LEFT
+    lapsed = m.join(Role.WORKER)
+    now[0] = 10.0
+    m.heartbeat(again.member_id)
+    assert [x.member_id for x in m.expire()] == [lapsed.member_id]
+    assert m.join(Role.WORKER, member_id=lapsed.member_id).member_id == lapsed.member_id   # expired: it comes back
