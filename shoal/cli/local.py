@@ -323,6 +323,23 @@ class LocalCluster:
                              lambda r: all(not sh.get("round_pending") for sh in r["shards"]), settle_s,
                              "shard status")
 
+    def final_checkpoint(self, target: int, wait_s: float = 60.0) -> int:
+        """Waits (at most ``wait_s``) for the chief to commit the checkpoint of the final state, at
+        shard version ``target``; returns the step of the newest checkpoint it knows (-1: unreadable)."""
+        deadline = time.monotonic() + wait_s
+        step = -1
+        while True:
+            stats = self.job_stats()
+            if stats is not None:
+                step = max(stats.checkpoint_step, stats.restored_step)
+                if step >= target:
+                    return step
+            if time.monotonic() >= deadline:
+                log.warning("the final checkpoint (step %d) was not written within %.0fs; the newest is step %d "
+                            "(see the chief's log for why)", target, wait_s, step)
+                return step
+            time.sleep(0.2)
+
     def replica_report(self, settle_s: float = 10.0) -> dict | None:
         """Digests of every shard's copies; waits (briefly) for a backup still being filled."""
         return _read_settled(lambda: replica_digests(self.chief_address),
@@ -370,6 +387,9 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         stats = cluster.job_stats()
         shards = cluster.shard_report()
         replicas = cluster.replica_report()
+        final_step = None
+        if cfg.checkpoint_dir and shards is not None:    # the job ends once its final state is saved
+            final_step = cluster.final_checkpoint(max((sh.get("version", 0) for sh in shards["shards"]), default=0))
     except KeyboardInterrupt:
         log.info("interrupted: stopping the cluster")
         cluster.stop()
@@ -396,6 +416,8 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         summary["replicas_identical"] = replicas_identical(replicas)
     summary["restarts"] = dict(cluster.restarts)
     summary["rollbacks"] = cluster.rollbacks
+    if final_step is not None:
+        summary["final_checkpoint_step"] = final_step
     if cfg.summary:
         _write_json(Path(cfg.summary), summary)
     log.info("training %s in %.1fs: %s", "finished" if ok else "FAILED", seconds,
