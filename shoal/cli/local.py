@@ -27,7 +27,7 @@ from shoal.config import JobConfig
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.rpc import RETRYABLE, open_channel
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
 from shoal.cli.supervise import RestartPolicy
 
@@ -135,6 +135,7 @@ class LocalCluster:
         self.policy = RestartPolicy(cfg.restart, cfg.max_restarts, cfg.restart_backoff_s)
         self.restarts = self.policy.restarts
         self._gone: set[str] = set()          # servers left down (no restart): the job goes on without them
+        self.exits: dict[str, int] = {}       # workers that ended for good: name -> exit status
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
 
@@ -204,30 +205,33 @@ class LocalCluster:
         return [c for n, c in self.children.items() if n.startswith("worker")]
 
     def wait_workers(self) -> dict[str, int]:
-        """Supervises until every worker has finished; restarts crashed roles with backoff."""
-        exits: dict[str, int] = {}
+        """Supervises until every worker has finished and no role waits for a restart (a chief or a
+        server that died as the workers ended is brought back: the job's records live there)."""
         while True:
-            now = time.monotonic()
-            for name, child in list(self.children.items()):
-                code = child.proc.poll()
-                if code is None or name in exits:
-                    continue
-                if name == "chief" and code == EXIT_ROLLBACK:
-                    self._rollback()
-                    exits.clear()
-                    break
-                if name.startswith("worker") and code == 0:
-                    exits[name] = 0
-                elif name not in self._restart_at and name not in self._gone:
-                    self._on_failure(name, child, code, now, exits)
-            for name, when in list(self._restart_at.items()):
-                if now >= when:
-                    del self._restart_at[name]
-                    self._restart(name)
-            if all(w.name in exits for w in self.workers()) and not any(
-                    n.startswith("worker") for n in self._restart_at):
-                return exits
+            self.supervise()
+            if all(w.name in self.exits for w in self.workers()) and not self._restart_at:
+                return dict(self.exits)
             time.sleep(0.05)
+
+    def supervise(self) -> None:
+        """One round: notes exits, restarts crashed roles when their backoff is over, rolls back."""
+        now = time.monotonic()
+        for name, child in list(self.children.items()):
+            code = child.proc.poll()
+            if code is None or name in self.exits:
+                continue
+            if name == "chief" and code == EXIT_ROLLBACK:
+                self._rollback()
+                self.exits.clear()
+                break
+            if name.startswith("worker") and code == 0:
+                self.exits[name] = 0
+            elif name not in self._restart_at and name not in self._gone:
+                self._on_failure(name, child, code, now, self.exits)
+        for name, when in list(self._restart_at.items()):
+            if now >= when:
+                del self._restart_at[name]
+                self._restart(name)
 
     def _rollback(self) -> None:
         """The chief stopped the job (a shard lost every copy, --recovery consistent): start every role
@@ -293,6 +297,10 @@ class LocalCluster:
                     live = [m.member_id for m in view.members
                             if m.role == pb.WORKER and m.state in ("alive", "idle")]
                 except grpc.RpcError as exc:
+                    if exc.code() in RETRYABLE and time.monotonic() < deadline:
+                        self.supervise()           # the chief may be on its way back
+                        time.sleep(0.1)
+                        continue
                     log.warning("could not read the view to drain workers: %s", exc.code().name)
                     return -1
                 if not live or time.monotonic() >= deadline:
@@ -304,14 +312,14 @@ class LocalCluster:
             channel.close()
 
     def job_stats(self) -> pb.JobStats | None:
-        channel = open_channel(self.chief_address)
-        try:
-            return pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=10)
-        except grpc.RpcError as exc:
-            log.warning("could not read job stats from the chief: %s", exc.code().name)
-            return None
-        finally:
-            channel.close()
+        def read() -> pb.JobStats:
+            channel = open_channel(self.chief_address)
+            try:
+                return pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=10)
+            finally:
+                channel.close()
+
+        return _read_settled(read, lambda _: True, 0.0, "job stats from the chief", self.supervise)
 
     def shard_report(self, settle_s: float = 5.0) -> dict | None:
         """Shard versions and ledgers, read before the servers stop.
@@ -321,7 +329,7 @@ class LocalCluster:
         """
         return _read_settled(lambda: collect(self.chief_address),
                              lambda r: all(not sh.get("round_pending") for sh in r["shards"]), settle_s,
-                             "shard status")
+                             "shard status", self.supervise)
 
     def final_checkpoint(self, target: int, wait_s: float = 60.0) -> int:
         """Waits (at most ``wait_s``) for the chief to commit the checkpoint of the final state, at
@@ -343,7 +351,8 @@ class LocalCluster:
     def replica_report(self, settle_s: float = 10.0) -> dict | None:
         """Digests of every shard's copies; waits (briefly) for a backup still being filled."""
         return _read_settled(lambda: replica_digests(self.chief_address),
-                             lambda d: replicas_identical(d) is not False, settle_s, "replica digests")
+                             lambda d: replicas_identical(d) is not False, settle_s, "replica digests",
+                             self.supervise)
 
     def stop(self) -> None:
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
@@ -355,13 +364,22 @@ class LocalCluster:
                 c.stop()
 
 
-def _read_settled(read, settled, settle_s: float, what: str):
-    """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read."""
-    deadline = time.monotonic() + settle_s
+def _read_settled(read, settled, settle_s: float, what: str, tick=None, unavailable_s: float = 60.0):
+    """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read.
+
+    While the read fails with a retryable status (a chief being restarted), it is tried again for up
+    to ``unavailable_s``, calling ``tick()`` (the supervisor's round) in between.
+    """
+    start = time.monotonic()
+    deadline = start + settle_s
     while True:
         try:
             result = read()
         except grpc.RpcError as exc:
+            if tick is not None and exc.code() in RETRYABLE and time.monotonic() - start < unavailable_s:
+                tick()
+                time.sleep(0.1)
+                continue
             log.warning("could not read %s: %s", what, exc.code().name)
             return None
         if settled(result) or time.monotonic() > deadline:

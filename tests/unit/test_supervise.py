@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import signal
+import sys
+import threading
 
 import pytest
 
@@ -67,3 +69,44 @@ def test_no_restart_and_max_restarts_give_up_without_failing_the_run():
 def test_a_ps_timeout_must_be_positive(capsys):
     assert main(["ps", "--chief", "127.0.0.1:1", "--chief-timeout", "0"]) == EXIT_USAGE
     assert "--chief-timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
+
+
+class FakeProc:
+    def __init__(self, code=None):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+class FakeChild:
+    def __init__(self, name, code=None):
+        self.name, self.proc, self.started, self.last_line = name, FakeProc(code), 0.0, ""
+        self._pump = threading.Thread(target=lambda: None)
+        self._pump.start()
+
+
+@pytest.mark.timeout(20)
+def test_a_chief_that_dies_as_the_workers_end_is_restarted_before_the_records_are_read(tmp_path):
+    """Found by bench/nemesis.py (a chief and a primary killed as the workers finished): the run
+    read no stats, no ledger, no final checkpoint, and reported success without its records."""
+    from shoal.cli.local import LocalCluster, LocalConfig
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cluster = LocalCluster(LocalConfig(script=str(script), restart_backoff_s=0.05), out=sys.stdout)
+    spawned = []
+
+    def spawn(name, args, extra_env=None):
+        spawned.append(name)
+        cluster.children[name] = FakeChild(name)
+        return cluster.children[name]
+
+    cluster._spawn = spawn
+    cluster.chief_address = "127.0.0.1:1"
+    for name, code in (("chief", -signal.SIGKILL), ("ps0", -signal.SIGKILL), ("ps1", None),
+                       ("worker0", 0), ("worker1", 0)):
+        cluster.children[name] = FakeChild(name, code)
+        cluster._launch[name] = ([], None)
+    assert cluster.wait_workers() == {"worker0": 0, "worker1": 0}
+    assert sorted(spawned) == ["chief", "ps0"]            # both back before the job's records are read
