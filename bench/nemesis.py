@@ -251,13 +251,14 @@ def checkpoint_digests(ckpt, num_shards: int, mode: str) -> dict[str, str]:
 
 
 def export_accuracy(ckpts: Path, out: Path) -> float:
+    """``shoal export``'s code path on the newest valid checkpoint, loaded strictly and scored."""
     import importlib.util
 
     import torch
 
-    r = subprocess.run([*SHOAL, "export", str(ckpts), str(out)], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+    from shoal.checkpoint import export_to_file
+
+    export_to_file(ckpts, out)
     spec = importlib.util.spec_from_file_location("digits_example", DIGITS)
     digits = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(digits)
