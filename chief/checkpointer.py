@@ -19,7 +19,8 @@ background thread takes a consistent cut, every shard at the same version:
    updates are held only from the freeze to the copy;
 5. commit the manifest (layout, shard table, ``meta`` with the task queue).
 
-One more checkpoint is taken once every data task is done (while the job is still up).
+One more checkpoint is taken once every data task is done (while the job is still up), tried again
+every few seconds until it is committed.
 
 Any failure or timeout aborts: the temporary directory is removed, every shard
 is thawed, and the next interval tries again.
