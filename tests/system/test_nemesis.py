@@ -22,7 +22,7 @@ pytestmark = pytest.mark.system
 SCHEDULES = {
     "worker paused past its lease, then chief and a primary killed at once": Schedule(
         seed=-1, epochs=2, mode="sync",
-        faults=[Fault(0.3, "pause", "worker1", 2.5 * LEASE_S), Fault(6.0, "kill_chief_and_primary", "ps0")]),
+        faults=[Fault(0.3, "pause", "worker1", 2.5 * LEASE_S), Fault(4.5, "kill_chief_and_primary", "ps0")]),
 }
 
 

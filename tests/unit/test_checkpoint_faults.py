@@ -7,13 +7,19 @@ import errno
 import pytest
 import torch
 from test_checkpoint import SGD, Trained, _flip, save
-from test_checkpoint_cut import LAYOUT, Job
+from test_checkpoint_cut import Job
 
 import shoal.checkpoint_store as store
 from shoal.checkpoint import list_checkpoints, load_latest, open_checkpoint
 from shoal.checkpoint_store import CheckpointWriter, ShardState, sha256_file
 from shoal.dataset import DatasetSpec
+from shoal.chief.checkpointer import Interval
 from shoal.errors import FailedPrecondition
+from shoal.layout import ModelLayout, TensorSpec
+
+
+def every(steps: int) -> Interval:
+    return Interval(steps=steps)
 
 
 def names(root) -> list[str]:
@@ -31,14 +37,14 @@ def finish_tasks(j: Job) -> None:
 # ---------------------------------------------------------------- a corrupt checkpoint at the step being written
 
 def test_a_corrupt_checkpoint_at_the_cut_step_is_moved_aside_and_the_cut_is_written(tmp_path, caplog):
-    old = Job(tmp_path, interval=store_interval(2))
+    old = Job(tmp_path, interval=every(2))
     old.push(0, 2)
     old.push(1, 2)
     bad = old.cp.maybe_checkpoint()
     _flip(bad / "shard-00001.pt")                         # the newest checkpoint is damaged
     assert load_latest(tmp_path) is None
 
-    j = Job(tmp_path, interval=store_interval(2))         # the job that resumed past it reaches step 2 again
+    j = Job(tmp_path, interval=every(2))         # the job that resumed past it reaches step 2 again
     j.push(0, 2)
     j.push(1, 2)
     path = j.cp.maybe_checkpoint()
@@ -52,7 +58,7 @@ def test_a_corrupt_checkpoint_at_the_cut_step_is_moved_aside_and_the_cut_is_writ
 def test_a_partial_checkpoint_at_the_final_step_does_not_stop_the_final_checkpoint(tmp_path):
     (tmp_path / "ckpt-000000000003").mkdir(parents=True)  # a crash left a directory without its manifest
     (tmp_path / "ckpt-000000000003" / "shard-00000.pt").write_bytes(b"half a file")
-    j = Job(tmp_path, interval=store_interval(100))
+    j = Job(tmp_path, interval=every(100))
     j.push(0, 3)
     j.push(1, 3)
     finish_tasks(j)
@@ -61,7 +67,7 @@ def test_a_partial_checkpoint_at_the_final_step_does_not_stop_the_final_checkpoi
 
 
 def test_a_failed_final_checkpoint_is_tried_again_until_it_is_written(tmp_path, caplog):
-    j = Job(tmp_path, interval=store_interval(100))
+    j = Job(tmp_path, interval=every(100))
     j.push(0, 3)
     j.push(1, 3)
     finish_tasks(j)
@@ -124,7 +130,6 @@ def test_a_flip_past_the_first_read_chunk_is_caught(tmp_path):
     w = CheckpointWriter(tmp_path, keep=1)
     pending = w.begin(1)
     pending.write_shard(state)
-    from shoal.layout import ModelLayout, TensorSpec
     path = pending.commit(ModelLayout([TensorSpec("w", (n,))]), 1, {})
     file = path / "shard-00000.pt"
     assert file.stat().st_size > (1 << 20) + 4096
@@ -169,8 +174,3 @@ def test_a_disk_fault_mid_write_aborts_the_checkpoint_and_the_job_goes_on(tmp_pa
     j.push(0, 1)
     j.push(1, 1)
     assert j.cp.maybe_checkpoint() is not None and load_latest(tmp_path).step == 6
-
-
-def store_interval(steps: int):
-    from shoal.chief.checkpointer import Interval
-    return Interval(steps=steps)
