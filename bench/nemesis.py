@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,6 +197,15 @@ class Run:
                                  DIGITS, *self.script_args()],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.seen_pids.add(proc.pid)
+        try:
+            return self._drive(proc)
+        except BaseException:                       # the nemesis itself stopped: leave nothing behind
+            for p in (proc, *self.outside):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            raise
+
+    def _drive(self, proc: subprocess.Popen) -> dict:
         deadline = self.t0 + self.bound_s
         while self.steps() < 5 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -281,6 +291,9 @@ def check(run: Run, outcome: dict) -> dict:
         why.append(f"exit {outcome['rc']}: {summary.get('error', 'no summary error line')}")
     if outcome["rc"] == 0:
         v["exactly_once"] = bool(summary.get("exactly_once"))
+        if not v["exactly_once"]:
+            why.append(f"ledgers (epoch: batches applied, most times one was applied): {summary.get('ledger')}, "
+                       f"batches per epoch {summary.get('batches_per_epoch')}")
         v["all_tasks_done"] = summary.get("tasks_done") == summary.get("tasks_total") and summary.get("tasks_total", 0) > 0
         v["replicas_identical"] = summary.get("replicas_identical") is not False
         final = max((summary.get("shard_versions") or {"-": -1}).values())
@@ -338,7 +351,8 @@ def main() -> int:
     p.add_argument("--faults", type=int, default=2, help="faults per schedule")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a run may take before it counts as a hang")
     p.add_argument("--replay", help="a schedule's JSON (as printed) to run again")
-    p.add_argument("--keep", action="store_true", help="keep each run's directory (logs, checkpoints)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep every run's directory (logs, checkpoints); a failing run's is always kept")
     args = p.parse_args()
     if args.replay:
         schedules = [Schedule.from_json(json.loads(args.replay))]
@@ -347,10 +361,12 @@ def main() -> int:
         schedules = [draw(s, args.faults) for s in seeds]
     bad = 0
     for s in schedules:
-        with tempfile.TemporaryDirectory(prefix=f"nemesis-{s.seed}-") as tmp:
-            work = Path(tempfile.mkdtemp(prefix=f"nemesis-{s.seed}-")) if args.keep else Path(tmp)
-            result = run_schedule(s, work, args.bound)
+        work = Path(tempfile.mkdtemp(prefix=f"nemesis-{s.seed}-"))
+        result = run_schedule(s, work, args.bound)
         bad += not result["ok"]
+        if result["ok"] and not args.keep:         # a failing run's logs and checkpoints stay, to be read
+            shutil.rmtree(work, ignore_errors=True)
+            result.pop("work")
         print(json.dumps(result), flush=True)
     print(json.dumps({"schedules": len(schedules), "violations": bad}), file=sys.stderr)
     return 1 if bad else 0
