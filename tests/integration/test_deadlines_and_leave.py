@@ -140,3 +140,40 @@ def test_a_join_asking_for_the_id_of_a_member_that_left_gets_a_new_id():
     m.heartbeat(again.member_id)
     assert [x.member_id for x in m.expire()] == [lapsed.member_id]
     assert m.join(Role.WORKER, member_id=lapsed.member_id).member_id == lapsed.member_id   # expired: it comes back
+
+
+class DeadChief:
+    """A chief client whose chief is gone: its last view still names the failed primary."""
+
+    lease_seconds = 1.0
+
+    def __init__(self):
+        self.view = pb.ClusterView(epoch=3, shards=[pb.ShardRoute(shard=0, primary_id="ps-0",
+                                                                  primary_address="10.0.0.9:4000")])
+        self.stub = self
+
+    def refresh_view(self):
+        raise Down()
+
+    def ReportUnreachable(self, req, timeout=None):
+        raise Down()
+
+
+class Client:
+    def __init__(self, shard, address):
+        self.address = address
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_gives_up_waiting_for_a_new_primary_with_one_line():
+    from shoal.worker.routes import ShardRoutes
+
+    chief = DeadChief()
+    routes = ShardRoutes(chief, chief.view, Client, lambda: "worker-0")
+    routes.failover_timeout_s = 0.3
+    with pytest.raises(Unreachable, match=r"gave up after 0s waiting for a primary of shard 0 "
+                                          r"\(the last, 10.0.0.9:4000, failed with UNAVAILABLE\)"):
+        routes.reroute(0, routes.clients[0], Down())
