@@ -284,7 +284,7 @@ class Checkpointer:
         top = max(versions.values())
         if not self._due(top, finished):
             return None
-        return self.checkpoint(routes, layout, top)
+        return self.checkpoint(routes, layout, top, settled=versions if finished else None)
 
     def _due(self, top: int, finished: bool = False) -> bool:
         if finished:                                 # every task is done: keep the final model, until it is kept
@@ -295,19 +295,32 @@ class Checkpointer:
             return top - self._base_step >= self.cfg.interval.steps
         return self._clock() - self._base_time >= self.cfg.interval.seconds
 
-    def checkpoint(self, routes: list["Route"], layout: ModelLayout, top: int) -> Path | None:
-        """One consistent cut at ``top`` or later; None (after cleaning up) if it could not be taken."""
+    def checkpoint(self, routes: list["Route"], layout: ModelLayout, top: int,
+                   settled: dict[int, int] | None = None) -> Path | None:
+        """One consistent cut at ``top`` or later; None (after cleaning up) if it could not be taken.
+
+        ``settled`` (shard -> version): every task is done and no update is coming, so each shard is
+        cut where it stands. Their versions may differ (a push that reached one shard and was dropped
+        by another); waiting for the lower ones to reach ``top`` would wait for ever.
+        """
         t0 = self._clock()
         pending, thawed = None, False
         try:
-            target = self._freeze_all(routes, top)
+            if settled is not None:          # each held where it stands (one that moved: where it got to)
+                cut = self._call_all(routes, lambda c, r: c.freeze(
+                    r.shard, settled[r.shard], self.cfg.freeze_timeout_s, self.cfg.hold_s), self.cfg.freeze_timeout_s + 10)
+            else:
+                at = self._freeze_all(routes, top)
+                cut = {r.shard: at for r in routes}
+            target = max(cut.values())
             meta = self._meta(target)
             # Whatever lies at this step (a corrupt checkpoint the job resumed past, one of another
             # history) is moved aside at the commit: the state at this cut is the one to keep.
             pending = self.writer.begin(target, replace=True)
             plan = ShardPlan(layout.numel, len(routes))
             entries = self._call_all(routes, lambda c, r: c.write(
-                r.shard, pending.tmp, target, *plan.ranges[r.shard], layout.fingerprint, self.cfg.write_timeout_s),
+                r.shard, pending.tmp, cut[r.shard], *plan.ranges[r.shard], layout.fingerprint,
+                self.cfg.write_timeout_s),
                 self.cfg.write_timeout_s)
             thawed = True
             held = max(e.pop("frozen_seconds") for e in entries.values())

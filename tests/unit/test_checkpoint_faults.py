@@ -174,3 +174,18 @@ def test_a_disk_fault_mid_write_aborts_the_checkpoint_and_the_job_goes_on(tmp_pa
     j.push(0, 1)
     j.push(1, 1)
     assert j.cp.maybe_checkpoint() is not None and load_latest(tmp_path).step == 6
+
+
+def test_the_final_checkpoint_cuts_each_shard_where_it_stands_when_their_versions_differ(tmp_path):
+    """Found by bench/nemesis.py (seed 15): a shard one update behind the other at the end of the job
+    (a push that one shard applied and the other lost) made every final checkpoint wait for an update
+    that never came, and the job ended without its final state saved."""
+    j = Job(tmp_path, interval=every(100), freeze_timeout_s=0.3)
+    j.push(0, 3)
+    j.push(1, 4)
+    finish_tasks(j)
+    path = j.cp.maybe_checkpoint()
+    assert path is not None
+    ckpt = open_checkpoint(path)
+    assert ckpt.step == 4 and ckpt.versions == {0: 3, 1: 4}
+    assert torch.equal(ckpt.flat_values(), torch.cat([s.export_state(0).values for s in j.shards]))
