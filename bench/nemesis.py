@@ -105,6 +105,7 @@ class Run:
         self.seen_pids: set[int] = set()
         self.outside: list[subprocess.Popen] = []
         self.log: list[str] = []                     # what the nemesis did, with times
+        self.corrupted: set[int] = set()             # steps of the checkpoints it damaged
         self.t0 = 0.0
 
     def pids(self) -> dict[str, int]:
@@ -168,6 +169,7 @@ class Run:
                 data = bytearray(files[0].read_bytes())
                 data[len(data) // 2] ^= 0xFF
                 files[0].write_bytes(bytes(data))
+                self.corrupted.add(int(found[0].name.split("-")[1]))
                 self.note(f"corrupted {found[0].name}/{files[0].name}")
             else:
                 self.note("corrupt_checkpoint: no checkpoint yet")
@@ -298,7 +300,10 @@ def check(run: Run, outcome: dict) -> dict:
         v["replicas_identical"] = summary.get("replicas_identical") is not False
         final = max((summary.get("shard_versions") or {"-": -1}).values())
         ckpt = load_latest(run.ckpts)
-        if ckpt is None or ckpt.step != final:
+        if (ckpt is None or ckpt.step != final) and final in run.corrupted:
+            v["final_checkpoint"] = None              # the nemesis damaged the final one itself, once written
+            why.append(f"not checked: the nemesis corrupted the final checkpoint (step {final}) after the commit")
+        elif ckpt is None or ckpt.step != final:
             v["final_checkpoint"] = False
             why.append(f"newest valid checkpoint is {ckpt.step if ckpt else None}, final version {final}")
         else:
@@ -354,6 +359,7 @@ def main() -> int:
     p.add_argument("--keep", action="store_true",
                    help="keep every run's directory (logs, checkpoints); a failing run's is always kept")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the job under test too (Run.go)
     if args.replay:
         schedules = [Schedule.from_json(json.loads(args.replay))]
     else:
