@@ -19,7 +19,8 @@ background thread takes a consistent cut, every shard at the same version:
    updates are held only from the freeze to the copy;
 5. commit the manifest (layout, shard table, ``meta`` with the task queue).
 
-One more checkpoint is taken once every data task is done (while the job is still up).
+One more checkpoint is taken once every data task is done (while the job is still up), tried again
+every few seconds until it is committed.
 
 Any failure or timeout aborts: the temporary directory is removed, every shard
 is thawed, and the next interval tries again.
@@ -50,7 +51,7 @@ from shoal.layout import ModelLayout, ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.checkpoint import Checkpoint, load_latest
-from shoal.checkpoint_store import CheckpointWriter, ckpt_dir_name, record_failure
+from shoal.checkpoint_store import CheckpointWriter, record_failure
 from shoal import auth
 from shoal.rpc import open_channel
 
@@ -231,6 +232,8 @@ def _describe(exc: BaseException) -> str:
 class Checkpointer:
     """The background thread of :mod:`chief.checkpointer`; ``lock`` is the chief servicer's."""
 
+    RETRY_FINAL_S = 2.0     # after a failed attempt, the final checkpoint (every task done) is tried again
+
     def __init__(self, state: "ChiefState", lock: threading.Condition, cfg: CheckpointConfig,
                  connect: Callable[[str], ShardControlClient] = ShardControlClient,
                  clock: Callable[[], float] = time.monotonic):
@@ -245,6 +248,8 @@ class Checkpointer:
         self._clients: dict[str, ShardControlClient] = {}
         self._base_step = self.status.last_step      # the next checkpoint is due an interval after this
         self._base_time = clock()
+        self._committed_step = self.status.last_step  # the newest valid checkpoint's step
+        self._retry_at = 0.0                          # a failed final checkpoint is tried again from then
         self.pauses: list[float] = []                # seconds updates were held, per committed checkpoint
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="checkpoint")
         self._stop = threading.Event()
@@ -290,38 +295,49 @@ class Checkpointer:
         top = max(versions.values())
         if not self._due(top, finished):
             return None
-        return self.checkpoint(routes, layout, top)
+        return self.checkpoint(routes, layout, top, settled=versions if finished else None)
 
     def _due(self, top: int, finished: bool = False) -> bool:
+        if finished:                                 # every task is done: keep the final model, until it is kept
+            return top > self._committed_step and self._clock() >= self._retry_at
         if top <= self._base_step:
             return False                             # nothing new since the last checkpoint
-        if finished:
-            return True                              # every task is done: keep the final model
         if self.cfg.interval.steps:
             return top - self._base_step >= self.cfg.interval.steps
         return self._clock() - self._base_time >= self.cfg.interval.seconds
 
-    def checkpoint(self, routes: list["Route"], layout: ModelLayout, top: int) -> Path | None:
-        """One consistent cut at ``top`` or later; None (after cleaning up) if it could not be taken."""
+    def checkpoint(self, routes: list["Route"], layout: ModelLayout, top: int,
+                   settled: dict[int, int] | None = None) -> Path | None:
+        """One consistent cut at ``top`` or later; None (after cleaning up) if it could not be taken.
+
+        ``settled`` (shard -> version): every task is done and no update is coming, so each shard is
+        cut where it stands. Their versions may differ (a push that reached one shard and was dropped
+        by another); waiting for the lower ones to reach ``top`` would wait for ever.
+        """
         t0 = self._clock()
         pending, thawed = None, False
         try:
-            target = self._freeze_all(routes, top)
-            if (self.writer.root / ckpt_dir_name(target)).exists():
-                log.warning("checkpoint step %d: %s already exists (not a valid checkpoint?); skipping this step",
-                            target, self.writer.root / ckpt_dir_name(target))
-                return None
+            if settled is not None:          # each held where it stands (one that moved: where it got to)
+                cut = self._call_all(routes, lambda c, r: c.freeze(
+                    r.shard, settled[r.shard], self.cfg.freeze_timeout_s, self.cfg.hold_s), self.cfg.freeze_timeout_s + 10)
+            else:
+                at = self._freeze_all(routes, top)
+                cut = {r.shard: at for r in routes}
+            target = max(cut.values())
             meta = self._meta(target)
-            pending = self.writer.begin(target)
+            # Whatever lies at this step (a corrupt checkpoint the job resumed past, one of another
+            # history) is moved aside at the commit: the state at this cut is the one to keep.
+            pending = self.writer.begin(target, replace=True)
             plan = ShardPlan(layout.numel, len(routes))
             entries = self._call_all(routes, lambda c, r: c.write(
-                r.shard, pending.tmp, target, *plan.ranges[r.shard], layout.fingerprint, self.cfg.write_timeout_s),
+                r.shard, pending.tmp, cut[r.shard], *plan.ranges[r.shard], layout.fingerprint,
+                self.cfg.write_timeout_s),
                 self.cfg.write_timeout_s)
             thawed = True
             held = max(e.pop("frozen_seconds") for e in entries.values())
             for e in entries.values():
                 pending.add_entry(e)
-            path = pending.commit(layout, len(routes), {**meta, "held_ms": round(held * 1e3, 3)})
+            path = pending.commit(layout, len(routes), {**meta, "held_ms": round(held * 1e3, 3)}, replace=True)
         except Exception as exc:  # noqa: BLE001 - any failure aborts this attempt, not the job
             if pending is not None:
                 pending.abort()
@@ -332,12 +348,13 @@ class Checkpointer:
                       "FAILED so far; the newest checkpoint is step %d)", top, _describe(exc), failed, newest,
                       exc_info=not isinstance(exc, (grpc.RpcError, ShoalError, OSError)))
             record_failure(self.writer.root, top, _describe(exc))
+            self._retry_at = self._clock() + self.RETRY_FINAL_S
             return None
         finally:
             if not thawed:
                 self._thaw_all(routes)
             self._base_step, self._base_time = max(self._base_step, top), self._clock()
-        self._base_step = target
+        self._base_step = self._committed_step = target
         self.pauses.append(held)
         with self.lock:
             self.status.committed(path, target)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from shoal.errors import ShoalError
+from shoal.errors import EXIT_REFUSED, ShoalError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,13 @@ class JournalError(ShoalError):
     """The journal cannot be read or written (retryable for clients: the chief restarts from it)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class JournalUnreadable(JournalError):
+    """The journal exists but cannot be read: a restarted chief would fail the same way every time,
+    so the process exits ``EXIT_REFUSED`` and a supervisor does not restart it."""
+
+    exit_code = EXIT_REFUSED
 
 
 class Journal:
@@ -86,7 +93,7 @@ class Journal:
         self._total_writes = row[0] if row else 0
 
     def _unreadable(self, exc: Exception) -> JournalError:
-        return JournalError(f"chief journal {self.path} is unreadable or corrupt ({exc}); "
+        return JournalUnreadable(f"chief journal {self.path} is unreadable or corrupt ({exc}); "
                             f"move it away or pass --fresh to start the job over")
 
     def _move_aside(self) -> None:

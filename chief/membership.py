@@ -9,7 +9,8 @@ Lifecycle of a member (``MemberState``)::
     ALIVE/IDLE --lease ends---> EXPIRED (crashed or cut off; it must join again)
 
 LEFT and EXPIRED are final for that member id; a process that comes back joins
-again (optionally asking for its old id, which it gets back if it has expired).
+again (optionally asking for its old id, which it gets back if it has expired,
+never after it left: a join racing its own leave gets a new id).
 
 Besides leases, two sightings of a dropped connection end a worker early. A
 process that dies (SIGKILL, OOM) has every socket closed by its kernel at once,
@@ -70,7 +71,9 @@ class Membership:
         if old is not None and old.live and old.role is role:
             old.lease_until = now + self.lease_seconds
             return old
-        if not member_id or old is not None and old.role is not role:
+        if old is not None and old.state is MemberState.LEFT:
+            log.info("member %s left for good; a join asking for that id gets a new one", member_id)
+        if not member_id or old is not None and (old.role is not role or old.state is MemberState.LEFT):
             member_id = self._new_id(role)
             while member_id in self._members:
                 member_id = self._new_id(role)

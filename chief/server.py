@@ -8,7 +8,7 @@ import threading
 import time
 
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
-from shoal.chief.journal import Journal, JournalError
+from shoal.chief.journal import Journal, JournalError, JournalUnreadable
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
 from shoal.chief.telemetry import ChiefWatch
@@ -67,7 +67,7 @@ class ChiefServer:
         try:
             state = ChiefState.from_dict(saved, time.monotonic, recover=True)
         except (KeyError, TypeError, ValueError) as exc:
-            raise JournalError(f"chief journal {self.journal.path} holds a state this chief cannot read "
+            raise JournalUnreadable(f"chief journal {self.journal.path} holds a state this chief cannot read "
                                f"({type(exc).__name__}: {exc}); pass --fresh to start the job over") from exc
         if state.job != job:
             diff = ", ".join(f"{k} {v!r} (asked {getattr(job, k)!r})" for k, v in dataclasses.asdict(state.job).items()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -27,7 +28,8 @@ class PSServer:
     """``data_port``: where the raw TCP data channel listens (0: any free port; None: no channel,
     workers push and pull over gRPC)."""
 
-    def __init__(self, chief: str, bind: str = "127.0.0.1:0", advertise: str = "", data_port: int | None = 0):
+    def __init__(self, chief: str, bind: str = "127.0.0.1:0", advertise: str = "", data_port: int | None = 0,
+                 chief_timeout_s: float | None = 300.0):
         self.host = ShardHost()
         self.server, self.port, self._health = create_server(bind)
         self.data = DataServicer(self.host)
@@ -43,8 +45,13 @@ class PSServer:
         if not advertise:
             advertise = bind_host if bind_host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self.address = f"{advertise}:{self.port}"
+        # Without the chief for ``chief_timeout_s`` (None: wait for ever), the server gives up: ``gave_up``
+        # is set with the reason and the process exits EXIT_UNREACHABLE.
+        self.gave_up = threading.Event()
+        self.gave_up_reason = ""
         self.chief = ChiefClient(chief, pb.PS, host=socket.gethostname(), address_advertised=self.address,
-                                 heartbeat_extra=self._fill_heartbeat)
+                                 join_deadline_s=chief_timeout_s, lost_after_s=chief_timeout_s,
+                                 on_lost=self._lost_chief, heartbeat_extra=self._fill_heartbeat)
         self.host.on_backup_complete = self.chief.heartbeat_now     # the chief learns it within a round trip
 
     def start(self) -> "PSServer":
@@ -52,7 +59,11 @@ class PSServer:
         if self.channel is not None:
             self.channel.start()
         self.server.start()
-        reply = self.chief.join()
+        try:
+            reply = self.chief.join()
+        except Exception:               # e.g. Unreachable: nothing was served yet; close what was opened
+            self.stop(grace_s=0.2)
+            raise
         job = convert.job_from_pb(reply.view.job)
         self.host.secret = reply.job_secret
         self.host.credential = reply.credential
@@ -89,6 +100,10 @@ class PSServer:
     def _fill_heartbeat(self, req: pb.HeartbeatRequest) -> None:
         """Tells the chief which backups of this server's primaries hold a whole copy (only those it promotes)."""
         req.backups_complete.extend(pb.ShardCopy(shard=k, backup_id=b) for k, b in self.host.backups_complete())
+
+    def _lost_chief(self, why: str) -> None:
+        self.gave_up_reason = why
+        self.gave_up.set()
 
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")

@@ -18,12 +18,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from shoal.config import OptimizerSpec
-from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
 from shoal.layout import ModelLayout
 from shoal.optim import OPTIMIZERS
 
@@ -217,12 +217,15 @@ class PendingCheckpoint:
             raise InvalidArgument(f"shard {k}: {path} has {size} bytes, the writer reported {e['bytes']}")
         self._shards[k] = e
 
-    def commit(self, layout: ModelLayout, num_shards: int, meta: Mapping[str, Any]) -> Path:
+    def commit(self, layout: ModelLayout, num_shards: int, meta: Mapping[str, Any], replace: bool = False) -> Path:
         """Writes the manifest, renames the directory into place and prunes old checkpoints.
 
         Raises InvalidArgument (nothing committed, still pending) when a shard is
         missing or the ranges do not tile the model, and FailedPrecondition when a
-        checkpoint for this step already exists.
+        checkpoint for this step already exists, unless ``replace``: then whatever
+        lies there (a corrupt or partial checkpoint, or one of another history that
+        reached the same step) is moved aside, never deleted, once this one is
+        complete on disk.
         """
         self._check_open()
         check_tiling({k: (e["start"], e["stop"]) for k, e in self._shards.items()}, num_shards, layout.numel)
@@ -235,12 +238,15 @@ class PendingCheckpoint:
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"checkpoint meta is not JSON-able: {exc}") from exc
         final = self.writer.root / ckpt_dir_name(self.step)
-        if final.exists():
+        if final.exists() and not replace:
             raise FailedPrecondition(f"checkpoint {final} already exists")
         self._write_manifest(text)
+        if final.exists():
+            self.writer.set_aside(final)
         os.rename(self.tmp, final)
         fsync_dir(self.writer.root)
         self._closed = True
+        self.writer.known_valid(final)
         log.info("committed checkpoint %s (%d shard(s), %d elements)", final, num_shards, layout.numel)
         self.writer.prune(keep_also=final)
         return final
@@ -276,32 +282,86 @@ def _validate_state(state: ShardState) -> None:
         raise InvalidArgument(f"shard {state.shard}: unknown optimizer {state.optimizer!r}")
 
 
-class CheckpointWriter:
-    """Writes checkpoints under ``root`` and keeps the newest ``keep`` complete ones."""
+def _open_fully(path: Path) -> None:
+    """The read side's full validation (manifest, layout, every file's size and sha256)."""
+    from shoal.checkpoint import open_checkpoint   # the read side builds on this module
 
-    def __init__(self, root: str | Path, keep: int = 3):
+    open_checkpoint(path)
+
+
+class CheckpointWriter:
+    """Writes checkpoints under ``root`` and keeps the newest ``keep`` valid ones.
+
+    ``validate(path)`` raises (FailedPrecondition) for a checkpoint that cannot be
+    restored; by default the read side's full check. Pruning runs it at most once
+    per directory (checkpoints this writer committed are known valid), so a
+    corrupt checkpoint never counts towards ``keep``.
+    """
+
+    def __init__(self, root: str | Path, keep: int = 3, validate: Callable[[Path], None] = _open_fully):
         if keep < 1:
             raise InvalidArgument(f"keep must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        self._validate = validate
+        self._valid: dict[str, bool] = {}
 
-    def begin(self, step: int) -> PendingCheckpoint:
-        """Starts checkpoint ``step`` in a fresh temporary directory under the root."""
+    def begin(self, step: int, replace: bool = False) -> PendingCheckpoint:
+        """Starts checkpoint ``step`` in a fresh temporary directory under the root.
+
+        FailedPrecondition if a checkpoint for ``step`` exists, unless ``replace``
+        (see :meth:`PendingCheckpoint.commit`).
+        """
         if step < 0:
             raise InvalidArgument(f"checkpoint step must be >= 0, got {step}")
         self.root.mkdir(parents=True, exist_ok=True)
-        if (self.root / ckpt_dir_name(step)).exists():
+        if (self.root / ckpt_dir_name(step)).exists() and not replace:
             raise FailedPrecondition(f"checkpoint {self.root / ckpt_dir_name(step)} already exists")
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-ckpt-{step}-", dir=self.root))
         return PendingCheckpoint(self, step, tmp)
 
+    def known_valid(self, path: Path) -> None:
+        self._valid[path.name] = True
+
+    def is_valid(self, path: Path) -> bool:
+        """Whether ``path`` validates (cached per directory name)."""
+        if path.name not in self._valid:
+            try:
+                self._validate(path)
+                self._valid[path.name] = True
+            except (ShoalError, OSError, ValueError) as exc:
+                log.warning("checkpoint %s is not valid (%s); it does not count towards the %d kept",
+                            path, exc, self.keep)
+                self._valid[path.name] = False
+        return self._valid[path.name]
+
+    def set_aside(self, path: Path) -> Path:
+        """Renames a checkpoint directory out of the way (``<name>.set-aside-<n>``), never deleting it."""
+        n = 0
+        while (aside := path.with_name(f"{path.name}.set-aside-{n}")).exists():
+            n += 1
+        os.rename(path, aside)
+        self._valid.pop(path.name, None)
+        log.warning("moved %s aside to %s: a new checkpoint of step %d takes its place", path, aside.name,
+                    _step_of(path))
+        return aside
+
     def prune(self, keep_also: Path | None = None) -> None:
-        """Deletes complete checkpoints beyond the newest ``keep`` (never ``keep_also``) and
-        temporary directories left by crashed writes of steps up to the newest checkpoint."""
+        """Deletes checkpoints older than the oldest of the newest ``keep`` valid ones (never
+        ``keep_also``), and temporary directories left by crashed writes of steps up to the
+        newest checkpoint. A corrupt checkpoint newer than that is left alone: it is never a
+        reason to delete a valid one."""
         complete = list_checkpoints(self.root)
-        for path in complete[self.keep:]:
-            if keep_also is None or path != keep_also:
-                _remove_checkpoint(path)
+        kept = 0
+        for i, path in enumerate(complete):
+            if (keep_also is not None and path == keep_also) or self.is_valid(path):
+                kept += 1
+            if kept == self.keep:
+                for old in complete[i + 1:]:
+                    if keep_also is None or old != keep_also:
+                        _remove_checkpoint(old)
+                        self._valid.pop(old.name, None)
+                break
         newest = _step_of(complete[0]) if complete else -1
         for tmp in self.root.glob(".tmp-ckpt-*"):
             m = TMP_RE.match(tmp.name)

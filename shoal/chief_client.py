@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import grpc
 
 from shoal import convert
+from shoal.errors import Unreachable
 from shoal.members import Counters
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -25,7 +27,8 @@ class ChiefClient:
     def __init__(self, address: str, role: int, *, host: str = "", address_advertised: str = "",
                  layout: pb.ModelLayout | None = None, counters: Callable[[], Counters] | None = None,
                  heartbeat_extra: Callable[[pb.HeartbeatRequest], None] | None = None,
-                 join_deadline_s: float | None = 120.0):
+                 join_deadline_s: float | None = 120.0, lost_after_s: float | None = None,
+                 on_lost: Callable[[str], None] | None = None):
         self.chief_address = address
         self.role = role
         self.host = host
@@ -35,6 +38,10 @@ class ChiefClient:
         self._heartbeat_extra = heartbeat_extra
         self._join_deadline_s = join_deadline_s
         self.credential = ""             # from the chief at join: who this member is (shoal.auth)
+        self._lost_after_s = lost_after_s        # heartbeats failing this long: on_lost(why), and they stop
+        self._on_lost = on_lost
+        self._join_lock = threading.Lock()       # a re-join from the heartbeat thread never follows a leave
+        self._left = False
         self.channel = open_channel(address, lambda: self.credential)
         self.stub = pb_grpc.ChiefStub(self.channel)
         self.member_id = ""
@@ -53,8 +60,15 @@ class ChiefClient:
         req = pb.JoinRequest(role=self.role, address=self.advertised, host=self.host, member_id=self.member_id)
         if self.layout is not None:
             req.layout.CopyFrom(self.layout)
-        reply = with_retries(lambda: self.stub.Join(req, timeout=10), f"join chief at {self.chief_address}",
-                             deadline_s=self._join_deadline_s)
+        t0 = time.monotonic()
+        try:
+            reply = with_retries(lambda: self.stub.Join(req, timeout=10), f"join chief at {self.chief_address}",
+                                 deadline_s=self._join_deadline_s)
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE:
+                raise
+            raise Unreachable(f"gave up after {time.monotonic() - t0:.0f}s waiting to join the chief at "
+                              f"{self.chief_address} ({exc.code().name})") from exc
         self.member_id, self.shard, self.lease_seconds = reply.member_id, reply.shard, reply.lease_seconds
         self.credential = reply.credential
         self._set_view(reply.view)
@@ -73,7 +87,10 @@ class ChiefClient:
             listener(self._view)
 
     def leave(self) -> None:
-        self._stop.set()
+        """Leaves the job for good: this member id is not used again, even by a heartbeat in flight."""
+        with self._join_lock:
+            self._left = True
+            self._stop.set()
         if self.member_id:
             try:
                 self.stub.Leave(pb.LeaveRequest(member_id=self.member_id,
@@ -129,6 +146,7 @@ class ChiefClient:
     def _heartbeat_loop(self) -> None:
         period = max(0.05, self.lease_seconds / 4)
         failures = 0
+        failing_since = 0.0
         while True:
             self._beat_now.wait(period)
             self._beat_now.clear()
@@ -143,17 +161,29 @@ class ChiefClient:
                     log.info("chief reachable again after %d failed heartbeat(s)", failures)
                 failures = 0
                 if not reply.known:
-                    log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
-                    self.join()
+                    with self._join_lock:
+                        if self._left:          # the chief forgot us because we left: that is final
+                            return
+                        log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
+                        self.join()
             except ValueError:          # the channel was closed under the call: close() is under way
                 if self._stop.is_set():
                     return
                 log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
             except grpc.RpcError as exc:
                 failures += 1
+                now = time.monotonic()
+                failing_since = now if failures == 1 else failing_since
                 if failures in (1, 10) or failures % 50 == 0:
                     log.warning("heartbeat to chief %s failed (%s), attempt %d", self.chief_address,
                                 exc.code().name, failures)
+                if self._lost_after_s is not None and now - failing_since >= self._lost_after_s:
+                    why = (f"gave up after {now - failing_since:.0f}s without an answer from the chief at "
+                           f"{self.chief_address} ({exc.code().name})")
+                    log.error("%s", why)
+                    if self._on_lost is not None:
+                        self._on_lost(why)
+                    return
             except Exception:  # noqa: BLE001 - a bug in a callback must not end the lease's heartbeats
                 log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
 

@@ -75,3 +75,11 @@ EXIT_UNREACHABLE = 69
 
 # Exit status of a bad command line or settings file (argparse's own).
 EXIT_USAGE = 2
+
+
+class Unreachable(ShoalError):
+    """A role waited on a peer (the chief, a server) past its deadline and gives up; the message says
+    what it waited for and for how long. The process exits ``EXIT_UNREACHABLE``."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    exit_code = EXIT_UNREACHABLE

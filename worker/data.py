@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
@@ -17,7 +18,8 @@ from torch.utils.data import Dataset, default_collate
 from shoal import convert
 from shoal.dataset import DatasetSpec, Task
 from shoal.proto import shoal_pb2 as pb
-from shoal.rpc import with_retries
+from shoal.errors import Unreachable
+from shoal.rpc import RETRYABLE, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +30,16 @@ class TaskFeed:
     """Background fetcher of tasks; iterate it for :class:`Task` objects."""
 
     def __init__(self, stub, member_id: Callable[[], str], spec: DatasetSpec, prefetch: int = 2,
-                 poll_s: float = 0.05, rejoin: Callable[[], object] | None = None):
+                 poll_s: float = 0.05, rejoin: Callable[[], object] | None = None, wait_s: float = 120.0,
+                 chief: str = ""):
         self._stub = stub
         self._member_id = member_id
         self._spec = convert.dataset_to_pb(spec)
         self._prefetch = max(1, prefetch)
         self._poll_s = poll_s
         self._rejoin = rejoin
+        self._wait_s = wait_s                    # an unreachable chief: give up (Unreachable) after this long
+        self._chief = chief or "the chief"
         self._ready: queue.Queue = queue.Queue()
         self._done: list[int] = []
         self._dropped: list[pb.BatchRange] = []
@@ -57,14 +62,14 @@ class TaskFeed:
             try:
                 # A retried request is safe even if the lost one was served: the chief hands again any
                 # task it counts as this worker's that the request does not list as held.
-                reply = with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
+                reply = self._get_tasks(req)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND or self._rejoin is None:
                     raise
                 log.warning("the chief dropped this worker (%s); joining again", exc.details())
                 self._rejoin()
                 req.member_id = self._member_id()
-                reply = with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief")
+                reply = self._get_tasks(req)
             with self._done_lock:
                 for b in dropped:
                     self._unacked.pop((b.epoch, b.start), None)
@@ -76,6 +81,17 @@ class TaskFeed:
                 self._done = done + self._done
                 self._dropped = dropped + self._dropped
             raise
+
+    def _get_tasks(self, req: pb.TaskRequest) -> pb.TaskReply:
+        t0 = time.monotonic()
+        try:
+            return with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief",
+                                deadline_s=self._wait_s)
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE:
+                raise
+            raise Unreachable(f"gave up after {time.monotonic() - t0:.0f}s waiting for {self._chief} to hand out "
+                              f"data tasks ({exc.code().name})") from exc
 
     def _run(self) -> None:
         try:

@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 
 from shoal.chief_client import ChiefClient
-from shoal.errors import NOT_PRIMARY
+from shoal.errors import NOT_PRIMARY, Unreachable
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.ps_client import ShardClient, is_uninitialised
 
@@ -73,8 +73,8 @@ class ShardRoutes:
         """The shard's server failed or is no longer its primary: follow the view to the one that is.
 
         Waits for a view naming another primary; if none comes within two leases
-        (a blip, not a death) it tries the same server again. Gives up (raising
-        ``exc``) after ``failover_timeout_s``.
+        (a blip, not a death) it tries the same server again. Gives up after
+        ``failover_timeout_s`` (Unreachable: one line, the worker exits 69).
         """
         with self._lock:
             if self.clients[shard] is not failed:          # another thread already moved this shard
@@ -95,7 +95,8 @@ class ShardRoutes:
                 if route is not None and (route.primary_address != failed.address or now >= patience):
                     break
                 if now >= deadline:
-                    raise exc
+                    raise Unreachable(f"gave up after {self.failover_timeout_s:.0f}s waiting for a primary of shard "
+                                      f"{shard} (the last, {failed.address}, failed with {exc.code().name})") from exc
                 time.sleep(0.05)
             if route.primary_address != failed.address:
                 log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)

@@ -423,7 +423,8 @@ class Trainer:
         Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
         """
         spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
-        feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join)
+        feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join,
+                        chief=f"the chief at {self.chief_address}")
         self._feed = feed
         try:
             for task, token in self.clock.timed(feed):

@@ -30,10 +30,11 @@ from shoal.config import JobConfig
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.rpc import RETRYABLE, open_channel
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
 from shoal.cli.progress import Console, result_lines
 from shoal.cli import observe
+from shoal.cli.supervise import RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class JobStopped(RuntimeError):
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], out: IO[str]):
         self.name = name
+        self.started = time.monotonic()
+        self.last_line = ""            # the child's last line of output: on a failure, usually why
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1,
                                      start_new_session=True, preexec_fn=_die_with_parent)
@@ -107,6 +110,8 @@ class Child:
         for line in self.proc.stdout:
             out.write(f"[{self.name}] {line}")
             out.flush()
+            if line.strip():
+                self.last_line = line.strip()
 
     @property
     def pid(self) -> int:
@@ -142,7 +147,10 @@ class LocalCluster:
             self._secure()
         self.chief_address = ""
         self._launch: dict[str, tuple[list[str], dict[str, str] | None]] = {}
-        self.restarts: dict[str, int] = {}
+        self.policy = RestartPolicy(cfg.restart, cfg.max_restarts, cfg.restart_backoff_s)
+        self.restarts = self.policy.restarts
+        self._gone: set[str] = set()          # servers left down (no restart): the job goes on without them
+        self.exits: dict[str, int] = {}       # workers that ended for good: name -> exit status
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
 
@@ -230,32 +238,33 @@ class LocalCluster:
         return [c for n, c in self.children.items() if n.startswith("worker")]
 
     def wait_workers(self) -> dict[str, int]:
-        """Supervises until every worker has finished; restarts crashed roles with backoff."""
-        exits: dict[str, int] = {}
+        """Supervises until every worker has finished and no role waits for a restart (a chief or a
+        server that died as the workers ended is brought back: the job's records live there)."""
         while True:
-            now = time.monotonic()
-            for name, child in list(self.children.items()):
-                code = child.proc.poll()
-                if code is None or name in exits:
-                    continue
-                if name == "chief" and code == EXIT_ROLLBACK:
-                    self._rollback()
-                    exits.clear()
-                    break
-                if name.startswith("worker") and code == 0:
-                    exits[name] = 0
-                elif self._should_restart(name):
-                    self._schedule_restart(name, code, now)
-                elif name.startswith("worker"):
-                    exits[name] = code
-            for name, when in list(self._restart_at.items()):
-                if now >= when:
-                    del self._restart_at[name]
-                    self._restart(name)
-            if all(w.name in exits for w in self.workers()) and not any(
-                    n.startswith("worker") for n in self._restart_at):
-                return exits
+            self.supervise()
+            if all(w.name in self.exits for w in self.workers()) and not self._restart_at:
+                return dict(self.exits)
             time.sleep(0.05)
+
+    def supervise(self) -> None:
+        """One round: notes exits, restarts crashed roles when their backoff is over, rolls back."""
+        now = time.monotonic()
+        for name, child in list(self.children.items()):
+            code = child.proc.poll()
+            if code is None or name in self.exits:
+                continue
+            if name == "chief" and code == EXIT_ROLLBACK:
+                self._rollback()
+                self.exits.clear()
+                break
+            if name.startswith("worker") and code == 0:
+                self.exits[name] = 0
+            elif name not in self._restart_at and name not in self._gone:
+                self._on_failure(name, child, code, now, self.exits)
+        for name, when in list(self._restart_at.items()):
+            if now >= when:
+                del self._restart_at[name]
+                self._restart(name)
 
     def _rollback(self) -> None:
         """The chief stopped the job (a shard lost every copy, --recovery consistent): start every role
@@ -278,24 +287,30 @@ class LocalCluster:
                 args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
             self._spawn(name, args, env)
 
-    def _should_restart(self, name: str) -> bool:
-        return self.cfg.restart and self.restarts.get(name, 0) < self.cfg.max_restarts
-
-    def _schedule_restart(self, name: str, code: int, now: float) -> None:
-        if name in self._restart_at:
+    def _on_failure(self, name: str, child: Child, code: int, now: float, exits: dict[str, int]) -> None:
+        """Restart ``name`` later, or give up on it, or (an exit that would repeat) stop the run now."""
+        d = self.policy.on_exit(name, code, child.started, now)
+        if d.restart:
+            log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code,
+                        d.delay_s, self.restarts.get(name, 0) + 1, self.cfg.max_restarts)
+            self._restart_at[name] = now + d.delay_s
             return
-        n = self.restarts.get(name, 0)
-        delay = self.cfg.restart_backoff_s * (2 ** n)
-        log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code, delay,
-                    n + 1, self.cfg.max_restarts)
-        self._restart_at[name] = now + delay
+        child._pump.join(timeout=1)           # its last line, for the message
+        last = f": {child.last_line}" if child.last_line else ""
+        if d.fatal or name == "chief":
+            raise JobStopped(f"{name} exited with {code} and is not restarted ({d.why}){last}")
+        if name.startswith("worker"):
+            exits[name] = code
+        else:
+            log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", name, code, d.why)
+            self._gone.add(name)
 
     def _restart(self, name: str) -> None:
         args, env = self._launch[name]
         if name == "chief":            # same port: every member still knows the old address
             port = self.chief_address.rsplit(":", 1)[1]
             args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
-        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.policy.restarted(name)
         self._spawn(name, args, env)
 
     def drain(self) -> int:
@@ -315,6 +330,10 @@ class LocalCluster:
                     live = [m.member_id for m in view.members
                             if m.role == pb.WORKER and m.state in ("alive", "idle")]
                 except grpc.RpcError as exc:
+                    if exc.code() in RETRYABLE and time.monotonic() < deadline:
+                        self.supervise()           # the chief may be on its way back
+                        time.sleep(0.1)
+                        continue
                     log.warning("could not read the view to drain workers: %s", exc.code().name)
                     return -1
                 if not live or time.monotonic() >= deadline:
@@ -326,14 +345,14 @@ class LocalCluster:
             channel.close()
 
     def job_stats(self) -> pb.JobStats | None:
-        channel = open_channel(self.chief_address)
-        try:
-            return pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=10)
-        except grpc.RpcError as exc:
-            log.warning("could not read job stats from the chief: %s", exc.code().name)
-            return None
-        finally:
-            channel.close()
+        def read() -> pb.JobStats:
+            channel = open_channel(self.chief_address)
+            try:
+                return pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=10)
+            finally:
+                channel.close()
+
+        return _read_settled(read, lambda _: True, 0.0, "job stats from the chief", self.supervise)
 
     def shard_report(self, settle_s: float = 5.0) -> dict | None:
         """Shard versions and ledgers, read before the servers stop.
@@ -343,12 +362,30 @@ class LocalCluster:
         """
         return _read_settled(lambda: collect(self.chief_address),
                              lambda r: all(not sh.get("round_pending") for sh in r["shards"]), settle_s,
-                             "shard status")
+                             "shard status", self.supervise)
+
+    def final_checkpoint(self, target: int, wait_s: float = 60.0) -> int:
+        """Waits (at most ``wait_s``) for the chief to commit the checkpoint of the final state, at
+        shard version ``target``; returns the step of the newest checkpoint it knows (-1: unreadable)."""
+        deadline = time.monotonic() + wait_s
+        step = -1
+        while True:
+            stats = self.job_stats()
+            if stats is not None:
+                step = max(stats.checkpoint_step, stats.restored_step)
+                if step >= target:
+                    return step
+            if time.monotonic() >= deadline:
+                log.warning("the final checkpoint (step %d) was not written within %.0fs; the newest is step %d "
+                            "(see the chief's log for why)", target, wait_s, step)
+                return step
+            time.sleep(0.2)
 
     def replica_report(self, settle_s: float = 10.0) -> dict | None:
         """Digests of every shard's copies; waits (briefly) for a backup still being filled."""
         return _read_settled(lambda: replica_digests(self.chief_address),
-                             lambda d: replicas_identical(d) is not False, settle_s, "replica digests")
+                             lambda d: replicas_identical(d) is not False, settle_s, "replica digests",
+                             self.supervise)
 
     def stop(self) -> None:
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
@@ -360,13 +397,22 @@ class LocalCluster:
                 c.stop()
 
 
-def _read_settled(read, settled, settle_s: float, what: str):
-    """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read."""
-    deadline = time.monotonic() + settle_s
+def _read_settled(read, settled, settle_s: float, what: str, tick=None, unavailable_s: float = 60.0):
+    """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read.
+
+    While the read fails with a retryable status (a chief being restarted), it is tried again for up
+    to ``unavailable_s``, calling ``tick()`` (the supervisor's round) in between.
+    """
+    start = time.monotonic()
+    deadline = start + settle_s
     while True:
         try:
             result = read()
         except grpc.RpcError as exc:
+            if tick is not None and exc.code() in RETRYABLE and time.monotonic() - start < unavailable_s:
+                tick()
+                time.sleep(0.1)
+                continue
             log.warning("could not read %s: %s", what, exc.code().name)
             return None
         if settled(result) or time.monotonic() > deadline:
@@ -395,6 +441,9 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         stats = cluster.job_stats()
         shards = cluster.shard_report()
         replicas = cluster.replica_report()
+        final_step = None
+        if cfg.checkpoint_dir and shards is not None:    # the job ends once its final state is saved
+            final_step = cluster.final_checkpoint(max((sh.get("version", 0) for sh in shards["shards"]), default=0))
     except KeyboardInterrupt:
         console.close()
         log.info("interrupted: stopping the cluster")
@@ -404,6 +453,10 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         console.close()
         log.error("job stopped: %s", exc)
         cluster.stop()
+        if cfg.summary:
+            _write_json(Path(cfg.summary), {**build_summary(cfg, {}, time.monotonic() - started, None),
+                                            "error": str(exc), "restarts": dict(cluster.restarts),
+                                            "rollbacks": cluster.rollbacks})
         return 3
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -421,12 +474,10 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         summary["replicas_identical"] = replicas_identical(replicas)
     summary["restarts"] = dict(cluster.restarts)
     summary["rollbacks"] = cluster.rollbacks
+    if final_step is not None:
+        summary["final_checkpoint_step"] = final_step
     if cfg.summary:
-        path = Path(cfg.summary)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(path)
+        _write_json(Path(cfg.summary), summary)
     if summary.get("checkpoints_failed"):
         log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
                   summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
@@ -437,6 +488,13 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     out.write("\n".join(result_lines(summary, ok, cfg.summary, console.log_path)) + "\n")
     out.flush()
     return 0 if ok else 1
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:

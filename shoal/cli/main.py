@@ -15,9 +15,8 @@ import grpc
 
 from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources, load_yaml
 from shoal.memory import tune_malloc
-from shoal.cli import security
-from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
-from shoal.cli import observe
+from shoal.cli import observe, security
+from shoal.errors import EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, ShoalError, Unavailable
 
 log = logging.getLogger("shoal")
 
@@ -126,17 +125,23 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     if not 0 <= args.data_port <= 65535:
         raise InvalidArgument(f"--data-port must be a port number (0: any free one), got {args.data_port}")
+    if not args.chief_timeout > 0:
+        raise InvalidArgument(f"--chief-timeout must be > 0 seconds, got {args.chief_timeout}")
     metrics_port = observe.metrics_port(args)
     security.warn_if_exposed("shoal ps", args.bind)
     server = PSServer(args.chief, bind=args.bind, advertise=args.advertise,
-                      data_port=None if args.no_data_channel else args.data_port).start()
+                      data_port=None if args.no_data_channel else args.data_port,
+                      chief_timeout_s=args.chief_timeout).start()
     try:
         server.serve_metrics(metrics_port)
     except ShoalError:
         server.stop(grace_s=0.5)                          # leaves the job it just joined
         raise
     _write_port(args.port_file, server.port)
-    _serve_until_signalled(server)
+    _serve_until_signalled(server, server.gave_up)
+    if server.gave_up_reason:
+        print(f"shoal ps: error: {server.gave_up_reason}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     return 0
 
 
@@ -273,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the raw TCP data channel on the bind host (default 0: any free port)")
     p.add_argument("--no-data-channel", action="store_true",
                    help="offer no TCP data channel: workers push and pull over gRPC")
+    p.add_argument("--chief-timeout", type=float, default=float(os.environ.get("SHOAL_CHIEF_TIMEOUT", "300")),
+                   help="give up (exit 69) after this many seconds without reaching the chief (default 300)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     observe.add_args(p, tensorboard=False)
     p.set_defaults(func=cmd_ps)
@@ -321,5 +328,5 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ShoalError as exc:
         print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", EXIT_USAGE)   # e.g. EXIT_REFUSED: a supervisor must not restart it
 

@@ -213,9 +213,10 @@ def test_unreadable_snapshot_is_refused(tmp_path):
 
 def test_shoal_chief_refuses_a_corrupt_journal_with_one_line(tmp_path, capsys):
     from shoal.cli import main
+    from shoal.errors import EXIT_REFUSED
 
     path = tmp_path / "chief.db"
     path.write_bytes(b"\x00garbage" * 512)
-    assert main(["chief", "--bind", "127.0.0.1:0", "--journal", str(path)]) == 2
+    assert main(["chief", "--bind", "127.0.0.1:0", "--journal", str(path)]) == EXIT_REFUSED   # never restarted
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"shoal chief: error: chief journal {path} is unreadable or corrupt")

@@ -1,0 +1,64 @@
+"""When ``shoal local`` restarts a role that exited, and when it gives up on the run.
+
+A crash (a traceback's exit 1, an unreachable peer's 69) or a signal (SIGKILL by
+the OOM killer, a preempted process) is worth a restart with backoff. Some exits
+are not, because the role would fail the same way again: ``EXIT_REFUSED`` (78: a
+refused model, credentials the job does not take, a journal it cannot read),
+``EXIT_USAGE`` (2: bad settings), and the same non-zero exit twice in a row each
+within ``crash_loop_s`` of the role's start (a crash loop). For those the run
+fails at once with the role's last line, instead of restarting it for minutes.
+
+The decisions are a function of (exit, start time, now), driven by tests
+without processes; :class:`shoal.cli.local.LocalCluster` applies them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.errors import EXIT_REFUSED, EXIT_USAGE
+
+FINAL_EXITS = {EXIT_REFUSED: "refused for good", EXIT_USAGE: "bad settings"}
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    delay_s: float = 0.0
+    why: str = ""            # for a role that is not restarted: why not
+    fatal: bool = False      # the role would fail the same way again: the run fails now
+
+
+class RestartPolicy:
+    """Per role: restart with backoff (``backoff_s`` doubling, at most ``max_backoff_s``), or give up."""
+
+    def __init__(self, enabled: bool = True, max_restarts: int = 10, backoff_s: float = 1.0,
+                 max_backoff_s: float = 15.0, crash_loop_s: float = 30.0):
+        self.enabled = enabled
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.crash_loop_s = crash_loop_s
+        self.restarts: dict[str, int] = {}
+        self._quick: dict[str, int] = {}      # role -> its last exit code, if that came soon after its start
+
+    def on_exit(self, name: str, code: int, started: float, now: float) -> Decision:
+        """``code``: the exit status (negative: killed by that signal); ``started``: when this run of the role began."""
+        quick = now - started < self.crash_loop_s
+        previous = self._quick.pop(name, None)
+        if quick and code > 0:
+            self._quick[name] = code
+        if code in FINAL_EXITS:
+            return Decision(False, why=f"exit {code}: {FINAL_EXITS[code]}", fatal=True)
+        if code > 0 and quick and previous == code:
+            return Decision(False, why=f"exit {code} twice in a row, each within {self.crash_loop_s:g}s of "
+                                       f"starting: a crash loop", fatal=True)
+        if not self.enabled:
+            return Decision(False, why="--no-restart")
+        n = self.restarts.get(name, 0)
+        if n >= self.max_restarts:
+            return Decision(False, why=f"restarted {n} times already")
+        return Decision(True, min(self.max_backoff_s, self.backoff_s * (2 ** n)))
+
+    def restarted(self, name: str) -> int:
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        return self.restarts[name]

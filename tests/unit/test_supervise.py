@@ -1,0 +1,112 @@
+"""shoal local's restart policy: retry crashes and signals, give up at once on exits that would repeat."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import pytest
+
+from shoal.cli.main import main
+from shoal.cli.supervise import RestartPolicy
+from shoal.errors import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+
+
+def test_a_crash_or_a_signal_is_restarted_with_capped_backoff():
+    p = RestartPolicy(max_restarts=10, backoff_s=1.0, max_backoff_s=15.0, crash_loop_s=10.0)
+    delays = []
+    for i in range(8):                                   # killed again and again: each time restarted
+        d = p.on_exit("ps0", -signal.SIGKILL, started=100.0 * i, now=100.0 * i + 1)
+        assert d.restart and not d.fatal
+        delays.append(d.delay_s)
+        p.restarted("ps0")
+    assert delays == [1, 2, 4, 8, 15, 15, 15, 15]        # never minutes of waiting
+    d = p.on_exit("worker0", 1, started=0.0, now=60.0)   # a crash long after its start
+    assert d.restart
+
+
+@pytest.mark.parametrize("code", [EXIT_REFUSED, EXIT_USAGE])
+def test_refused_and_usage_exits_fail_the_run_at_once(code):
+    d = RestartPolicy().on_exit("chief", code, started=0.0, now=300.0)
+    assert not d.restart and d.fatal and str(code) in d.why
+
+
+def test_the_same_quick_exit_twice_in_a_row_is_a_crash_loop():
+    p = RestartPolicy(crash_loop_s=10.0)
+    assert p.on_exit("worker1", 1, started=0.0, now=2.0).restart
+    p.restarted("worker1")
+    d = p.on_exit("worker1", 1, started=5.0, now=7.0)
+    assert not d.restart and d.fatal and "crash loop" in d.why
+
+
+@pytest.mark.parametrize("first,second,started", [
+    (1, EXIT_UNREACHABLE, 5.0),       # a different exit
+    (1, 1, -60.0),                    # the second came long after its start
+    (-signal.SIGKILL, -signal.SIGKILL, 5.0),   # killed twice: a fault from outside, not a loop
+])
+def test_what_is_not_a_crash_loop(first, second, started):
+    p = RestartPolicy(crash_loop_s=10.0)
+    assert p.on_exit("ps1", first, started=0.0, now=1.0).restart
+    p.restarted("ps1")
+    assert p.on_exit("ps1", second, started=started, now=7.0).restart
+
+
+def test_a_slow_exit_between_two_quick_ones_resets_the_loop():
+    p = RestartPolicy(crash_loop_s=10.0)
+    assert p.on_exit("chief", 1, 0.0, 1.0).restart
+    assert p.on_exit("chief", 1, 0.0, 100.0).restart
+    assert p.on_exit("chief", 1, 200.0, 201.0).restart
+
+
+def test_no_restart_and_max_restarts_give_up_without_failing_the_run():
+    assert not RestartPolicy(enabled=False).on_exit("ps0", 1, 0.0, 60.0).restart
+    p = RestartPolicy(max_restarts=1)
+    p.restarted("ps0")
+    d = p.on_exit("ps0", -9, 0.0, 60.0)
+    assert not d.restart and not d.fatal and "restarted 1 times" in d.why
+
+
+def test_a_ps_timeout_must_be_positive(capsys):
+    assert main(["ps", "--chief", "127.0.0.1:1", "--chief-timeout", "0"]) == EXIT_USAGE
+    assert "--chief-timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
+
+
+class FakeProc:
+    def __init__(self, code=None):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+class FakeChild:
+    def __init__(self, name, code=None):
+        self.name, self.proc, self.started, self.last_line = name, FakeProc(code), 0.0, ""
+        self._pump = threading.Thread(target=lambda: None)
+        self._pump.start()
+
+
+@pytest.mark.timeout(20)
+def test_a_chief_that_dies_as_the_workers_end_is_restarted_before_the_records_are_read(tmp_path):
+    """Found by bench/nemesis.py (a chief and a primary killed as the workers finished): the run
+    read no stats, no ledger, no final checkpoint, and reported success without its records."""
+    from shoal.cli.local import LocalCluster, LocalConfig
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cluster = LocalCluster(LocalConfig(script=str(script), restart_backoff_s=0.05), out=sys.stdout)
+    spawned = []
+
+    def spawn(name, args, extra_env=None):
+        spawned.append(name)
+        cluster.children[name] = FakeChild(name)
+        return cluster.children[name]
+
+    cluster._spawn = spawn
+    cluster.chief_address = "127.0.0.1:1"
+    for name, code in (("chief", -signal.SIGKILL), ("ps0", -signal.SIGKILL), ("ps1", None),
+                       ("worker0", 0), ("worker1", 0)):
+        cluster.children[name] = FakeChild(name, code)
+        cluster._launch[name] = ([], None)
+    assert cluster.wait_workers() == {"worker0": 0, "worker1": 0}
+    assert sorted(spawned) == ["chief", "ps0"]            # both back before the job's records are read
