@@ -7,7 +7,6 @@ from shoal.checkpoint import load_latest
 from shoal.checkpoint_store import CheckpointWriter, read_failure, record_failure
 from shoal.cli.status import collect, render
 from shoal.worker import Trainer
-from harness import wait_until
 
 from test_checkpoints import cluster, job_stats, mlp, train
 
@@ -21,7 +20,7 @@ def test_a_full_disk_is_counted_shown_and_named_by_export(tmp_path, monkeypatch,
         train(t, model, until=lambda: job_stats(c).checkpoints_written >= 1)
         good = load_latest(root).step
 
-        def full(self, step):
+        def full(self, step, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(CheckpointWriter, "begin", full)
         train(t, model, until=lambda: job_stats(c).checkpoints_failed >= 2)

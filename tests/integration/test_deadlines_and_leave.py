@@ -155,6 +155,9 @@ class DeadChief:
     def refresh_view(self):
         raise Down()
 
+    def on_view(self, listener):
+        pass
+
     def ReportUnreachable(self, req, timeout=None):
         raise Down()
 
