@@ -23,6 +23,7 @@ from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
 from shoal.errors import InvalidArgument
+from shoal.jobfile import job_from_env
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.members import Counters
 from shoal.memory import tune_malloc
@@ -84,7 +85,7 @@ class Trainer:
     (:mod:`shoal.worker.momentum`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
+    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str | None = None,
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
                  ready_timeout_s: float = 120.0, **hparams: float):
@@ -94,7 +95,7 @@ class Trainer:
         if not self.chief_address:
             raise InvalidArgument("no chief address: pass chief=HOST:PORT or set SHOAL_CHIEF")
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
-        spec = OptimizerSpec(optimizer, hparams)
+        spec = self._optimizer_spec(optimizer, hparams)
         # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
         self.optimizer = server_optimizer(spec, self.encoder.sparse) if momentum_correction else spec
         self.momentum = LocalMomentum()
@@ -140,6 +141,27 @@ class Trainer:
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
     # ------------------------------------------------------------ setup
+
+    @staticmethod
+    def job_section(name: str) -> dict[str, Any]:
+        """A section of the job file the launcher was given (``shoal worker --config job.yaml``), as a
+        dict: ``Trainer.job_section("train")`` holds ``batch_size``, ``epochs``, ... ({} without a file).
+        A script can take its defaults from it before it builds the Trainer."""
+        job = job_from_env()
+        if job is None:
+            return {}
+        if name == "optimizer":
+            return {"name": job.optimizer.name, **dict(job.optimizer.hparams)} if job.optimizer else {}
+        return job.section(name)
+
+    @staticmethod
+    def _optimizer_spec(name: str | None, hparams: dict[str, float]) -> OptimizerSpec:
+        """The script's optimizer; without a name, the job file's ``optimizer`` section, else sgd."""
+        if name is None:
+            job = job_from_env()
+            if job is not None and job.optimizer is not None:
+                return OptimizerSpec(job.optimizer.name, {**job.optimizer.hparams, **hparams})
+        return OptimizerSpec(name or "sgd", hparams)
 
     @property
     def member_id(self) -> str:
@@ -391,12 +413,18 @@ class Trainer:
 
     # ------------------------------------------------------------ data
 
-    def batches(self, data: Any, batch_size: int, epochs: int = 1, batches_per_task: int = 4,
-                seed: int = 0, prefetch: int = 2) -> Iterator[Any]:
+    def batches(self, data: Any, batch_size: int | None = None, epochs: int | None = None,
+                batches_per_task: int = 4, seed: int = 0, prefetch: int = 2) -> Iterator[Any]:
         """Yields the batches of the tasks the chief hands this worker, until the job's data is done.
 
         Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
+        ``batch_size`` and ``epochs`` default to the job file's ``train`` section (epochs: 1 without).
         """
+        train = self.job_section("train")
+        batch_size = batch_size if batch_size is not None else train.get("batch_size")
+        if batch_size is None:
+            raise InvalidArgument("no batch size: pass batch_size= or set train.batch_size in the job file")
+        epochs = epochs if epochs is not None else train.get("epochs", 1)
         spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
         feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join)
         self._feed = feed

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, RECOVERY, JobConfig, from_sources, load_yaml
+from shoal.config import MODES, RECOVERY, JobConfig, from_sources
+from shoal.cli.sources import add_commands as add_source_commands, apply_sources, export_job_file
 from shoal.memory import tune_malloc
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
 
@@ -38,12 +39,23 @@ def _job_args(p: argparse.ArgumentParser) -> None:
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
-    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery"}
-    return from_sources(JobConfig, yaml_values={k: v for k, v in yaml_values.items() if k in job_keys},
+    # the job file's settings (--config) arrive as the flags' defaults (shoal.cli.sources)
+    return from_sources(JobConfig,
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards,
                              "replicas": args.replicas, "recovery": args.recovery})
+
+
+_CHIEF_HELP = "the chief's HOST:PORT (default $SHOAL_CHIEF, the job file's cluster.chief or TF_CONFIG)"
+_CONFIG_HELP = "the job file (YAML): every setting, nested (see examples/job.yaml); flags win over it"
+
+
+def _require_chief_and_script(args: argparse.Namespace) -> None:
+    if hasattr(args, "chief") and not args.chief:
+        raise InvalidArgument("no chief address: give --chief HOST:PORT, set SHOAL_CHIEF, cluster.chief in the "
+                              "job file, or TF_CONFIG")
+    if hasattr(args, "script") and args.command in ("worker", "local") and not args.script:
+        raise InvalidArgument("no training script: name one, or set train.script in the job file (--config)")
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -186,12 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"))
     sub = parser.add_subparsers(dest="command", required=True)
 
+    commands = parser.commands = sub.choices   # name -> sub-parser: the job file and TF_CONFIG fill defaults
     p = sub.add_parser("chief", help="run the chief (membership, data tasks, routing)")
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:7070"))
     p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
-    p.add_argument("--config", help="YAML file with job settings (mode, staleness, ...)")
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
                    help="SQLite file to keep the chief's state in; a restarted chief carries on from it")
     p.add_argument("--fresh", action="store_true", help="move an existing --journal aside and start the job over")
@@ -205,12 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("status", help="print the job at a glance")
-    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
+    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
-    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
+    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "0.0.0.0:0"))
     p.add_argument("--advertise", default=os.environ.get("SHOAL_ADVERTISE", ""),
                    help="host name workers use to reach this server (default: bind host or hostname)")
@@ -225,14 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
                            ("local", "run chief, parameter servers and workers on this host")):
         p = sub.add_parser(name, help=helptext)
         if name == "worker":
-            p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"),
-                           required="SHOAL_CHIEF" not in os.environ)
+            p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
+            p.add_argument("--config", help=_CONFIG_HELP)
         else:
             p.add_argument("--ps", type=int, default=2, help="parameter servers (= shards)")
             p.add_argument("--workers", type=int, default=2)
             p.add_argument("--summary", help="write a JSON run summary here when training ends")
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
-            p.add_argument("--config", help="YAML file with job settings")
+            p.add_argument("--config", help=_CONFIG_HELP)
             p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
             p.add_argument("--restart-backoff", type=float, default=1.0,
                            help="seconds before the first restart of a crashed role; doubles each time")
@@ -246,14 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
                        help="carry pushes and pulls over the parameter servers' TCP data channel (tcp, the "
                             "default, when they offer one) or over gRPC")
-        p.add_argument("script")
+        p.add_argument("script", nargs="?", help="the training script (default: the job file's train.script)")
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
+    add_source_commands(sub, commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args = apply_sources(parser, parser.commands, argv, args)
+        _require_chief_and_script(args)
+    except ShoalError as exc:
+        print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    export_job_file(args)
     _setup_logging(args.log_level)
     tune_malloc()
     try:
