@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from shoal.config import MODES, RECOVERY, JobConfig, from_sources
+from shoal.cli import compose, k8s
 from shoal.cli.sources import add_commands as add_source_commands, apply_sources, export_job_file
 from shoal.memory import tune_malloc
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
@@ -265,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
     add_source_commands(sub, commands)
+    for module in (compose, k8s):        # deployment generators
+        module.add_command(sub, commands)
     return parser
 
 
