@@ -85,7 +85,8 @@ def _container(job: JobFile, role: str, args: list[str], port: int | None, state
 
 def _pod(job: JobFile, role: str, container: dict, volumes: list[dict], **spec: Any) -> dict[str, Any]:
     return {"metadata": {"labels": {**_meta(job, role=role)["labels"]}},
-            "spec": {"terminationGracePeriodSeconds": GRACE_S, "containers": [container], "volumes": volumes,
+            "spec": {"terminationGracePeriodSeconds": GRACE_S, "securityContext": {"fsGroup": 10001},
+                     "containers": [container], "volumes": volumes,
                      **spec}}
 
 
