@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -41,6 +42,19 @@ from shoal.worker.staging import Staging
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_STOP_REQUESTED = threading.Event()
+_LIVE: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+
+
+def request_stop() -> None:
+    """Preemption (``shoal worker`` calls this on SIGTERM): every Trainer of this process hands back its
+    data task at the next batch boundary, leaves the job and ends the process with exit code 0.
+    Safe to call from a signal handler: it only sets flags."""
+    _STOP_REQUESTED.set()
+    for trainer in list(_LIVE):
+        feed = trainer._feed
+        if feed is not None:
+            feed.interrupt()
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,7 @@ class Trainer:
         self._step_seconds = 0.0
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
+        self._closed = False
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat)
@@ -137,6 +152,7 @@ class Trainer:
         self._follow_shards()
         self.staging.before_compute()
         self._started = True
+        _LIVE.add(self)
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
@@ -431,12 +447,16 @@ class Trainer:
         try:
             for task, token in feed:
                 for start, stop, batch in batches_of(data, task, batch_size):
+                    if _STOP_REQUESTED.is_set():
+                        self._hand_back(feed)
                     self._batch = BatchContext(task, token, start, stop)
                     yield batch
                 self._batch = None
                 with self._counter_lock:
                     self._progress.pop(task.task_id, None)
                 feed.mark_done(task)
+            if _STOP_REQUESTED.is_set():
+                self._hand_back(feed)
             feed.flush()
         finally:
             self._batch = None
@@ -469,8 +489,28 @@ class Trainer:
         with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=10), "report metrics to the chief",
                      deadline_s=120)
 
+    def _hand_back(self, feed: TaskFeed) -> None:
+        """Preempted between two batches: reports finished tasks and how far the current one got, leaves
+        (the chief hands the rest of this worker's tasks to the others) and ends the process with 0."""
+        held = sorted(self._progress)
+        log.info("worker %s stopping on request (SIGTERM) after %d step(s): handing back task(s) %s and "
+                 "leaving the job", self.member_id, self.step_count, held or "none")
+        self._batch = None
+        try:
+            feed.flush()
+            self.chief.heartbeat_now()          # the chief resumes each task from this worker's progress
+        except grpc.RpcError as exc:
+            log.warning("could not report progress before leaving (%s); the chief resumes from the last "
+                        "heartbeat", exc.code().name)
+        self.close()
+        raise SystemExit(0)
+
     def close(self) -> None:
         """Leaves the job gracefully (returns held tasks) and closes connections."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
         self.chief.leave()
         self._pool.shutdown(wait=False)
         self.routes.close()

@@ -148,6 +148,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
+    from shoal.worker.trainer import request_stop
+
+    # SIGTERM (docker stop, kubectl delete pod, a spot notice): hand back the task, leave, exit 0
+    signal.signal(signal.SIGTERM, lambda *_: request_stop())
     sys.argv = [str(script), *args.script_args]
     sys.path.insert(0, str(script.resolve().parent))
     runpy.run_path(str(script), run_name="__main__")
