@@ -31,6 +31,7 @@ class ShardHost:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.leaving = False        # set by a planned stop: dropping its copies is expected
         self.member_id = ""
         self.job: JobConfig | None = None
         self.assigned: set[int] = set()               # shards this process is primary of
@@ -198,7 +199,8 @@ class ShardHost:
             if route.primary_id == self.member_id:
                 if self.roles.get(k) == BACKUP and k in self.shards:
                     self.promotions += 1
-                    log.warning("shard %d: promoted to primary at version %d", k, self.shards[k].version)
+                    # info: the chief warns when it is a failover; a planned hand-over is routine
+                    log.info("shard %d: promoted to primary at version %d", k, self.shards[k].version)
                 self.assigned.add(k)
                 self.roles[k] = PRIMARY
                 s = self.shards.get(k)
@@ -224,7 +226,8 @@ class ShardHost:
         self.roles.pop(shard, None)
         self.assigned.discard(shard)
         if s is not None:
-            log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+            log.log(logging.INFO if self.leaving else logging.WARNING,
+                    "shard %d: dropping this copy (version %d): %s", shard, s.version, why)
 
     def close(self) -> None:
         with self._live_cond:

@@ -91,7 +91,8 @@ class PSServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         set_serving(self._health, SERVICE, False)
-        self.chief.leave()
+        self.host.leaving = True
+        self.chief.leave()          # the chief promotes this server's backups: a planned hand-over
         self.host.close()
         if self.channel is not None:
             self.channel.close()

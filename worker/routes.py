@@ -18,6 +18,7 @@ import grpc
 
 from shoal.chief_client import ChiefClient
 from shoal.errors import NOT_PRIMARY
+from shoal.members import MemberState
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.ps_client import ShardClient, is_uninitialised
 
@@ -55,6 +56,36 @@ class ShardRoutes:
         self._lock = threading.Lock()
         self.failover_timeout_s = 120.0
         self.failovers = 0
+        self.moves = 0                        # planned hand-overs followed from the view
+        self._retired: list[ShardClient] = []
+        chief.on_view(self.follow)
+
+    def follow(self, view: pb.ClusterView) -> None:
+        """A view that names another primary for a shard whose primary left the job (a planned hand-over,
+        e.g. a ps stopped by SIGTERM) moves the shard's client before any call fails there. A primary
+        that is still a member keeps its client: only a failed call (:meth:`reroute`) moves it."""
+        # a reroute under way holds the lock and moves the shard itself (its refresh_view calls this)
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            for route in view.shards:
+                client = self.clients.get(route.shard)
+                if (client is None or not route.primary_address or route.primary_address == client.address
+                        or not self._left(client.address, view)):
+                    continue
+                log.info("shard %d: handed over to %s at %s; following the view", route.shard, route.primary_id,
+                         route.primary_address)
+                self.clients[route.shard] = self._make(route.shard, route.primary_address)
+                self._retired.append(client)        # closed later: a call may still be finishing on it
+                self.moves += 1
+        finally:
+            self._lock.release()
+
+    @staticmethod
+    def _left(address: str, view: pb.ClusterView) -> bool:
+        """The server at ``address`` left the job on purpose (a dead one is the failover path's)."""
+        states = {m.state for m in view.members if m.address == address}
+        return not states or states == {MemberState.LEFT.value}
 
     def reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
         """The shard's server failed or is no longer its primary: follow the view to the one that is.
@@ -106,5 +137,5 @@ class ShardRoutes:
             log.info("could not report %s unreachable: %s", route.primary_id, exc.code().name)
 
     def close(self) -> None:
-        for c in self.clients.values():
+        for c in [*self.clients.values(), *self._retired]:
             c.close()
