@@ -170,7 +170,8 @@ class ShardHost:
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
             targets = self._apply_routes(routes) if routes is not None else []
         for r, backup_id, backup_address in targets:
-            r.set_target(backup_id, backup_address)
+            if not self.leaving:    # a server on its way out starts no new replication
+                r.set_target(backup_id, backup_address)
         with self._live_cond:
             self._live_pending = workers
             self._live_cond.notify_all()

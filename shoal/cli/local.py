@@ -28,6 +28,7 @@ from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
+from shoal.cli.scaler import WorkerScaler
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class LocalConfig:
     checkpoint_interval: str = ""
     keep_checkpoints: int = 3
     drain_s: float = 60.0              # after our workers end: how long workers that joined from outside may take
+    config: str = ""                   # the job file, passed to the chief (its autoscaling policy)
+    autoscale: bool = False            # start and stop workers to follow the chief's desired count
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -130,6 +133,7 @@ class LocalCluster:
         self.restarts: dict[str, int] = {}
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
+        self.scaler: WorkerScaler | None = None
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
@@ -163,13 +167,16 @@ class LocalCluster:
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
-                                      "--journal", str(self._new_journal()), *self._checkpoint_args()])
+                                      "--journal", str(self._new_journal()), *self._checkpoint_args(),
+                                      *(["--config", self.cfg.config] if self.cfg.config else [])])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)
         for k in range(self.cfg.num_ps):
             self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", "127.0.0.1:0"])
         for k in range(self.cfg.num_workers):
             self.start_worker(f"worker{k}")
+        if self.cfg.autoscale:
+            self.scaler = WorkerScaler(self.chief_address, self.workers, self.start_worker, self.cfg.num_workers)
 
     def _checkpoint_args(self) -> list[str]:
         c = self.cfg
@@ -209,8 +216,8 @@ class LocalCluster:
                     self._rollback()
                     exits.clear()
                     break
-                if name.startswith("worker") and code == 0:
-                    exits[name] = 0
+                if name.startswith("worker") and (code == 0 or (self.scaler and name in self.scaler.scaled_in)):
+                    exits[name] = code           # done, or asked to leave by the autoscaler
                 elif self._should_restart(name):
                     self._schedule_restart(name, code, now)
                 elif name.startswith("worker"):
@@ -219,6 +226,8 @@ class LocalCluster:
                 if now >= when:
                     del self._restart_at[name]
                     self._restart(name)
+            if self.scaler is not None:
+                self.scaler.poll(now)
             if all(w.name in exits for w in self.workers()) and not any(
                     n.startswith("worker") for n in self._restart_at):
                 return exits
@@ -318,6 +327,8 @@ class LocalCluster:
                              lambda d: replicas_identical(d) is not False, settle_s, "replica digests")
 
     def stop(self) -> None:
+        if self.scaler is not None:
+            self.scaler.close()
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
         chief = [c for n, c in self.children.items() if n == "chief"]
         for group in (order, chief):  # the chief last, so members can leave cleanly

@@ -15,7 +15,8 @@ import grpc
 
 from shoal.config import MODES, RECOVERY, JobConfig, from_sources
 from shoal.cli import compose, k8s
-from shoal.cli.sources import add_commands as add_source_commands, apply_sources, export_job_file
+from shoal.cli.sources import add_commands as add_source_commands, apply_sources, autoscale_policy, export_job_file
+from shoal.jobfile import load_job
 from shoal.memory import tune_malloc
 from shoal.errors import EXIT_ROLLBACK, InvalidArgument, ShoalError, Unavailable
 
@@ -102,7 +103,7 @@ def cmd_chief(args: argparse.Namespace) -> int:
 
     job = _job_from(args, args.num_shards)
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args)).start()
+                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args)).start()
     _write_port(args.port_file, server.port)
     done = threading.Event()
 
@@ -172,7 +173,10 @@ def cmd_local(args: argparse.Namespace) -> int:
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
-                      keep_checkpoints=args.keep_checkpoints)
+                      keep_checkpoints=args.keep_checkpoints, config=args.config or "", autoscale=args.autoscale)
+    if args.autoscale and not (args.config and load_job(args.config).section("autoscaling")):
+        raise InvalidArgument("--autoscale follows the job file's autoscaling section: give --config job.yaml "
+                              "with autoscaling: {min_workers, max_workers, target}")
     return run_local(cfg)
 
 
@@ -254,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
             p.add_argument("--config", help=_CONFIG_HELP)
             p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
+            p.add_argument("--autoscale", action="store_true",
+                           help="start and stop workers to follow the chief's desired count (the job file's "
+                                "autoscaling section); --workers is the count to start with")
             p.add_argument("--restart-backoff", type=float, default=1.0,
                            help="seconds before the first restart of a crashed role; doubles each time")
             p.add_argument("--drain-seconds", type=float, default=60.0,

@@ -62,6 +62,17 @@ def export_job_file(args: argparse.Namespace) -> None:
         os.environ[ENV_JOB_FILE] = os.path.abspath(args.config)
 
 
+def autoscale_policy(args: argparse.Namespace):
+    """The chief's autoscaling policy: the job file's ``autoscaling`` section (None without one)."""
+    from shoal.chief.autoscale import AutoscalePolicy
+
+    section = load_job(args.config).section("autoscaling") if getattr(args, "config", None) else {}
+    try:
+        return AutoscalePolicy.from_section(section) if section else None
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{args.config}: {exc}") from None
+
+
 def job_config(job: JobFile) -> JobConfig:
     """The job file's training settings as the chief's :class:`JobConfig` (checks how they combine)."""
     values = {"mode": job.get("train.mode"), "backup_workers": job.get("train.backup_workers"),

@@ -56,7 +56,16 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                                         "queue_depth": stats.queue_depth},
             "epochs": {"completed": stats.completed_epochs, "total": stats.epochs,
                        "batches_per_epoch": stats.batches_per_epoch},
-            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples}}
+            "totals": {"steps": stats.totals.steps, "samples": stats.totals.samples},
+            **_autoscale(stats)}
+
+
+def _autoscale(stats: pb.JobStats) -> dict[str, Any]:
+    """The chief's desired worker count (with an autoscaling policy) next to the live one."""
+    desired = stats.metrics.get("autoscale_desired_workers")
+    if desired is None:
+        return {}
+    return {"autoscale": {"desired_workers": int(desired), "live_workers": stats.workers_live}}
 
 
 def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
@@ -112,6 +121,8 @@ def render(s: dict[str, Any]) -> str:
     out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {'ready' if s['ready'] else 'NOT READY'}; "
            f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
+           *([f"autoscaling: {s['autoscale']['desired_workers']} worker(s) wanted, "
+              f"{s['autoscale']['live_workers']} live"] if "autoscale" in s else []),
            "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
     for m in s["members"]:
         flags = "STRAGGLER" if m.get("straggler") else ""
