@@ -46,15 +46,19 @@ _STOP_REQUESTED = threading.Event()
 _LIVE: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
 
 
-def request_stop() -> None:
+def request_stop() -> bool:
     """Preemption (``shoal worker`` calls this on SIGTERM): every Trainer of this process hands back its
     data task at the next batch boundary, leaves the job and ends the process with exit code 0.
-    Safe to call from a signal handler: it only sets flags."""
+    Safe to call from a signal handler: it only sets flags. False when no Trainer is taking batches
+    (nothing would see the request: the caller should end the process itself)."""
     _STOP_REQUESTED.set()
+    taking = False
     for trainer in list(_LIVE):
         feed = trainer._feed
         if feed is not None:
             feed.interrupt()
+            taking = True
+    return taking
 
 
 @dataclass(frozen=True)

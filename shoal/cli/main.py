@@ -151,8 +151,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ShoalError(f"training script {args.script!r} does not exist")
     from shoal.worker.trainer import request_stop
 
-    # SIGTERM (docker stop, kubectl delete pod, a spot notice): hand back the task, leave, exit 0
-    signal.signal(signal.SIGTERM, lambda *_: request_stop())
+    def on_sigterm(*_: object) -> None:
+        """docker stop, kubectl delete pod, a spot notice: the Trainer hands back its task, leaves and
+        exits 0. Outside ``trainer.batches`` (set-up, evaluation), or on a second SIGTERM: die as usual."""
+        if not request_stop():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)       # a second one ends the process at once
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     sys.argv = [str(script), *args.script_args]
     sys.path.insert(0, str(script.resolve().parent))
     runpy.run_path(str(script), run_name="__main__")
