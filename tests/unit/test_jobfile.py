@@ -129,3 +129,28 @@ def test_a_role_without_a_chief_anywhere_is_a_clear_error(monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     assert main(["ps"]) == 2
     assert "no chief address" in capsys.readouterr().err
+
+
+def test_the_trainer_reads_the_train_and_optimizer_sections(tmp_path, monkeypatch):
+    from shoal.worker import Trainer
+
+    monkeypatch.delenv("SHOAL_JOB_FILE", raising=False)
+    assert Trainer.job_section("train") == {} and Trainer._optimizer_spec(None, {}).name == "sgd"
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {batch_size: 16, epochs: 3}\noptimizer: {name: adamw, lr: 0.01}\n")
+    monkeypatch.setenv("SHOAL_JOB_FILE", str(path))
+    assert Trainer.job_section("train") == {"batch_size": 16, "epochs": 3}
+    assert Trainer.job_section("optimizer")["name"] == "adamw"
+    spec = Trainer._optimizer_spec(None, {"weight_decay": 0.1})        # the script's values win
+    assert (spec.name, spec.hparams["lr"], spec.hparams["weight_decay"]) == ("adamw", 0.01, 0.1)
+    assert Trainer._optimizer_spec("sgd", {}).name == "sgd"
+
+
+def test_a_launcher_names_the_job_file_for_the_script(tmp_path, monkeypatch):
+    from shoal.cli.sources import export_job_file
+
+    monkeypatch.setenv("SHOAL_JOB_FILE", "")          # restored (unset) after the test
+    parser = build_parser()
+    export_job_file(parser.parse_args(["worker", "--chief", "h:1", "--config", "rel/job.yaml", "t.py"]))
+    import os
+    assert os.environ["SHOAL_JOB_FILE"] == os.path.abspath("rel/job.yaml")
