@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
 from shoal.chief.servicer import ChiefServicer
@@ -29,7 +30,7 @@ class ChiefServer:
 
     def __init__(self, job: JobConfig, bind: str = "127.0.0.1:0", tick_s: float = 0.2,
                  journal: "str | os.PathLike | Journal | None" = None, fresh: bool = False,
-                 checkpoint: CheckpointConfig | None = None):
+                 checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
         if saved is not None and saved.get("stopped") and checkpoint is not None:
@@ -42,6 +43,8 @@ class ChiefServer:
         self.state = self._recover(saved, job) if saved is not None else ChiefState(job, time.monotonic)
         self.job = self.state.job
         self.servicer = ChiefServicer(self.state, self.journal)
+        if autoscale is not None:
+            self.servicer.autoscaler = Autoscaler(autoscale)
         self.checkpointer: Checkpointer | None = None
         if checkpoint is not None:
             resume(self.state, checkpoint, recovered=self.recovered)

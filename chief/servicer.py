@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Iterator
 
+from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
 from shoal import auth, convert
@@ -40,6 +41,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self._last_write = float("-inf")
         self._cond = threading.Condition()
         self.guard = auth.Guard(self._credential_key)
+        self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
 
     def _credential_key(self) -> bytes:
         return auth.credential_key(self.state.secret)
@@ -91,6 +93,14 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         with self._locked():
             before = self.state.epoch
             gone = self.state.tick()
+            if self.autoscaler is not None:
+                s = self.state
+                desired = self.autoscaler.desired
+                self.autoscaler.observe(time.monotonic(), s.tasks.total - s.tasks.done_count,
+                                        len(s.members.alive(Role.WORKER)), s.totals().steps)
+                if self.autoscaler.desired != desired:
+                    log.info("autoscaling: %d worker(s) wanted (was %d; %d task(s) not done)",
+                             self.autoscaler.desired, desired, s.tasks.total - s.tasks.done_count)
             if self.state.epoch != before:
                 self._save("expired " + ", ".join(m.member_id for m in gone))
                 self._cond.notify_all()
@@ -246,7 +256,10 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         with self._cond:
             s = self.state
             workers = list(s.members.all(Role.WORKER))
-            return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=s.metrics,
+            metrics = dict(s.metrics)
+            if self.autoscaler is not None:
+                metrics[DESIRED_WORKERS] = float(self.autoscaler.desired)
+            return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=metrics,
                                workers_seen=len(workers), workers_live=len(s.members.alive(Role.WORKER)),
                                tasks_done=s.tasks.done_count, tasks_total=s.tasks.total,
                                job=convert.job_to_pb(s.job), queue_depth=s.tasks.depth,

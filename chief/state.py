@@ -171,16 +171,23 @@ class ChiefState:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)
             return
+        # graceful: the ps left on purpose (SIGTERM, the end of the job): its backups hold every update it
+        # acknowledged, so promoting them is a planned hand-over, not a failover
         for k in [k for k, mid in self.backups.items() if mid == m.member_id]:
             del self.backups[k]
             self.complete.pop(k, None)
-            log.warning("shard %d lost its backup %s", k, m.member_id)
+            log.log(logging.INFO if graceful else logging.WARNING, "shard %d %s its backup %s", k,
+                    "let go of" if graceful else "lost", m.member_id)
         for k in [k for k, mid in self.routing.items() if mid == m.member_id]:
             backup = self.backups.pop(k, None)
             whole = backup is not None and self.complete.pop(k, None) == backup
             if whole or (backup is not None and self.job.recovery == "fast" and not graceful):
                 self.routing[k] = backup
-                log.warning("shard %d lost its primary %s; promoted its backup %s", k, m.member_id, backup)
+                if graceful:
+                    log.info("shard %d: its primary %s left; handed over to (promoted its backup) %s", k,
+                             m.member_id, backup)
+                else:
+                    log.warning("shard %d lost its primary %s; promoted its backup %s", k, m.member_id, backup)
                 if not whole:
                     self.lost.append(k)
                     log.error("shard %d: its backup %s had not finished receiving its copy; --recovery fast "

@@ -63,11 +63,13 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
-    p.add_argument("--lr", type=float, default=0.003)
-    p.add_argument("--momentum", type=float, default=0.0, help="sgd only")
+    # a job file (shoal worker/local --config job.yaml) sets these defaults: its train and optimizer sections
+    train, opt = Trainer.job_section("train"), Trainer.job_section("optimizer")
+    p.add_argument("--epochs", type=int, default=train.get("epochs", 15))
+    p.add_argument("--batch-size", type=int, default=train.get("batch_size", 32))
+    p.add_argument("--optimizer", default=opt.get("name", "adam"), choices=("adam", "adamw", "sgd"))
+    p.add_argument("--lr", type=float, default=opt.get("lr", 0.003))
+    p.add_argument("--momentum", type=float, default=opt.get("momentum", 0.0), help="sgd only")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=1, help="hidden layers")

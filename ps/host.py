@@ -32,6 +32,7 @@ class ShardHost:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.leaving = False        # set by a planned stop: dropping its copies is expected
         self.member_id = ""
         self.job: JobConfig | None = None
         self.assigned: set[int] = set()               # shards this process is primary of
@@ -197,7 +198,8 @@ class ShardHost:
         for s in dropped:                   # outside the host's lock: a round may hold the shard's a moment
             s.fence(s.fenced)
         for r, backup_id, backup_address in targets:
-            r.set_target(backup_id, backup_address)
+            if not self.leaving:    # a server on its way out starts no new replication
+                r.set_target(backup_id, backup_address)
         with self._live_cond:
             self._live_pending = workers
             self._live_cond.notify_all()
@@ -227,7 +229,8 @@ class ShardHost:
             if route.primary_id == self.member_id:
                 if self.roles.get(k) == BACKUP and k in self.shards:
                     self.promotions += 1
-                    log.warning("shard %d: promoted to primary at version %d", k, self.shards[k].version)
+                    # info: the chief warns when it is a failover; a planned hand-over is routine
+                    log.info("shard %d: promoted to primary at version %d", k, self.shards[k].version)
                 self.assigned.add(k)
                 self.roles[k] = PRIMARY
                 s = self.shards.get(k)
@@ -259,7 +262,8 @@ class ShardHost:
         self.assigned.discard(shard)
         if s is None:
             return []
-        log.warning("shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        log.log(logging.INFO if self.leaving else logging.WARNING,
+                "shard %d: dropping this copy (version %d): %s", shard, s.version, why)
         return [s]
 
     def close(self) -> None:

@@ -130,7 +130,8 @@ class PSServer:
             self.metrics_endpoint.close()
         from shoal import metrics
         metrics.unregister_state(f"ps/{id(self)}")
-        self.chief.leave()
+        self.host.leaving = True
+        self.chief.leave()          # the chief promotes this server's complete backups: a planned hand-over
         self.host.close()
         if self.channel is not None:
             self.channel.close()

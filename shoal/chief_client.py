@@ -153,10 +153,7 @@ class ChiefClient:
             if self._stop.is_set():
                 return
             try:
-                req = pb.HeartbeatRequest(member_id=self.member_id, counters=convert.counters_to_pb(self._counters()))
-                if self._heartbeat_extra is not None:
-                    self._heartbeat_extra(req)
-                reply = self.stub.Heartbeat(req, timeout=max(1.0, self.lease_seconds / 2))
+                reply = self.stub.Heartbeat(self._heartbeat_request(), timeout=max(1.0, self.lease_seconds / 2))
                 if failures:
                     log.info("chief reachable again after %d failed heartbeat(s)", failures)
                 failures = 0
@@ -186,6 +183,16 @@ class ChiefClient:
                     return
             except Exception:  # noqa: BLE001 - a bug in a callback must not end the lease's heartbeats
                 log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
+
+    def _heartbeat_request(self) -> pb.HeartbeatRequest:
+        req = pb.HeartbeatRequest(member_id=self.member_id, counters=convert.counters_to_pb(self._counters()))
+        if self._heartbeat_extra is not None:
+            self._heartbeat_extra(req)
+        return req
+
+    def heartbeat_sync(self, timeout_s: float = 5.0) -> None:
+        """One heartbeat now, waiting for its answer (with what the callback adds: a worker's task progress), e.g. before leaving."""
+        self.stub.Heartbeat(self._heartbeat_request(), timeout=timeout_s)
 
     def _watch_loop(self) -> None:
         backoff = 0.1

@@ -24,6 +24,7 @@ from shoal.rpc import RETRYABLE, with_retries
 log = logging.getLogger(__name__)
 
 _END = object()
+_POLL_S = 0.25            # how often a waiting iterator looks whether it was interrupted
 
 
 class TaskFeed:
@@ -48,6 +49,7 @@ class TaskFeed:
         self._done_lock = threading.Lock()
         self._space = threading.Semaphore(self._prefetch)
         self._stop = threading.Event()
+        self._interrupted = threading.Event()
         self._thread = threading.Thread(target=self._run, name="task-feed", daemon=True)
         self._thread.start()
 
@@ -143,6 +145,10 @@ class TaskFeed:
         if pending:
             self._request(0)
 
+    def interrupt(self) -> None:
+        """Ends the iteration at once, even while it waits for tasks (safe from a signal handler)."""
+        self._interrupted.set()
+
     def close(self) -> None:
         self._stop.set()
         self._space.release()
@@ -150,8 +156,11 @@ class TaskFeed:
 
     def __iter__(self) -> Iterator[tuple[Task, bytes]]:
         """Yields ``(task, token)``; ends when the whole job's data is done."""
-        while True:
-            item = self._ready.get()
+        while not self._interrupted.is_set():
+            try:
+                item = self._ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
             if item is _END:
                 return
             if isinstance(item, Exception):

@@ -18,6 +18,7 @@ import grpc
 
 from shoal.chief_client import ChiefClient
 from shoal.errors import NOT_PRIMARY, Unreachable
+from shoal.members import MemberState
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.ps_client import ShardClient, is_uninitialised
 
@@ -55,12 +56,16 @@ class ShardRoutes:
         self._lock = threading.Lock()
         self.failover_timeout_s = 120.0
         self.failovers = 0
+        self.moves = 0                        # planned hand-overs followed from the view
+        self._retired: list[ShardClient] = []
         chief.on_view(self._follow_view)
 
     def _follow_view(self, view: pb.ClusterView) -> None:
-        """The view moved a shard away from the server this worker calls for it (promoted its backup over a
-        paused or dead primary): close that client, so a push or pull blocked on the old server fails at
+        """The view moved a shard away from the server this worker calls for it. A primary that left on
+        purpose is handed over without a failed call (:meth:`follow`); otherwise (its backup promoted over a
+        paused or dead primary) close that client, so a push or pull blocked on the old server fails at
         once and :meth:`reroute` follows the view, rather than waiting out the call's timeout."""
+        self.follow(view)
         for route in view.shards:
             client = self.clients.get(route.shard)
             if client is not None and route.primary_address and route.primary_address != client.address \
@@ -68,6 +73,33 @@ class ShardRoutes:
                 log.info("shard %d: the view names %s primary; leaving %s", route.shard, route.primary_id,
                          client.address)
                 client.close()
+
+    def follow(self, view: pb.ClusterView) -> None:
+        """A view that names another primary for a shard whose primary left the job (a planned hand-over,
+        e.g. a ps stopped by SIGTERM) moves the shard's client before any call fails there. A primary
+        that is still a member keeps its client: only a failed call (:meth:`reroute`) moves it."""
+        # a reroute under way holds the lock and moves the shard itself (its refresh_view calls this)
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            for route in view.shards:
+                client = self.clients.get(route.shard)
+                if (client is None or not route.primary_address or route.primary_address == client.address
+                        or not self._left(client.address, view)):
+                    continue
+                log.info("shard %d: handed over to %s at %s; following the view", route.shard, route.primary_id,
+                         route.primary_address)
+                self.clients[route.shard] = self._make(route.shard, route.primary_address)
+                self._retired.append(client)        # closed later: a call may still be finishing on it
+                self.moves += 1
+        finally:
+            self._lock.release()
+
+    @staticmethod
+    def _left(address: str, view: pb.ClusterView) -> bool:
+        """The server at ``address`` left the job on purpose (a dead one is the failover path's)."""
+        states = {m.state for m in view.members if m.address == address}
+        return not states or states == {MemberState.LEFT.value}
 
     def reroute(self, shard: int, failed: ShardClient, exc: grpc.RpcError) -> None:
         """The shard's server failed or is no longer its primary: follow the view to the one that is.
@@ -121,5 +153,5 @@ class ShardRoutes:
             log.info("could not report %s unreachable: %s", route.primary_id, exc.code().name)
 
     def close(self) -> None:
-        for c in self.clients.values():
+        for c in [*self.clients.values(), *self._retired]:
             c.close()

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -23,6 +24,7 @@ from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
 from shoal.errors import InvalidArgument
+from shoal.jobfile import job_from_env
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.members import Counters
 from shoal.memory import tune_malloc
@@ -41,6 +43,23 @@ from shoal.worker.telemetry import StepClock, WorkerTelemetry, after_step
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_STOP_REQUESTED = threading.Event()
+_LIVE: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+
+
+def request_stop() -> bool:
+    """Preemption (``shoal worker`` calls this on SIGTERM): every Trainer of this process hands back its
+    data task at the next batch boundary, leaves the job and ends the process with exit code 0.
+    Safe to call from a signal handler: it only sets flags. False when no Trainer is taking batches
+    (nothing would see the request: the caller should end the process itself)."""
+    _STOP_REQUESTED.set()
+    taking = False
+    for trainer in list(_LIVE):
+        feed = trainer._feed
+        if feed is not None:
+            feed.interrupt()
+            taking = True
+    return taking
 
 
 @dataclass(frozen=True)
@@ -85,7 +104,7 @@ class Trainer:
     (:mod:`shoal.worker.momentum`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
+    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str | None = None,
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
                  ready_timeout_s: float = 120.0, **hparams: float):
@@ -95,7 +114,7 @@ class Trainer:
         if not self.chief_address:
             raise InvalidArgument("no chief address: pass chief=HOST:PORT or set SHOAL_CHIEF")
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
-        spec = OptimizerSpec(optimizer, hparams)
+        spec = self._optimizer_spec(optimizer, hparams)
         # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
         self.optimizer = server_optimizer(spec, self.encoder.sparse) if momentum_correction else spec
         self.momentum = LocalMomentum()
@@ -111,6 +130,7 @@ class Trainer:
         self._step_seconds = 0.0
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
+        self._closed = False
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat)
@@ -140,10 +160,32 @@ class Trainer:
         self._follow_shards()
         self.staging.before_compute()
         self._started = True
+        _LIVE.add(self)
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
     # ------------------------------------------------------------ setup
+
+    @staticmethod
+    def job_section(name: str) -> dict[str, Any]:
+        """A section of the job file the launcher was given (``shoal worker --config job.yaml``), as a
+        dict: ``Trainer.job_section("train")`` holds ``batch_size``, ``epochs``, ... ({} without a file).
+        A script can take its defaults from it before it builds the Trainer."""
+        job = job_from_env()
+        if job is None:
+            return {}
+        if name == "optimizer":
+            return {"name": job.optimizer.name, **dict(job.optimizer.hparams)} if job.optimizer else {}
+        return job.section(name)
+
+    @staticmethod
+    def _optimizer_spec(name: str | None, hparams: dict[str, float]) -> OptimizerSpec:
+        """The script's optimizer; without a name, the job file's ``optimizer`` section, else sgd."""
+        if name is None:
+            job = job_from_env()
+            if job is not None and job.optimizer is not None:
+                return OptimizerSpec(job.optimizer.name, {**job.optimizer.hparams, **hparams})
+        return OptimizerSpec(name or "sgd", hparams)
 
     @property
     def member_id(self) -> str:
@@ -416,12 +458,18 @@ class Trainer:
 
     # ------------------------------------------------------------ data
 
-    def batches(self, data: Any, batch_size: int, epochs: int = 1, batches_per_task: int = 4,
-                seed: int = 0, prefetch: int = 2) -> Iterator[Any]:
+    def batches(self, data: Any, batch_size: int | None = None, epochs: int | None = None,
+                batches_per_task: int = 4, seed: int = 0, prefetch: int = 2) -> Iterator[Any]:
         """Yields the batches of the tasks the chief hands this worker, until the job's data is done.
 
         Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
+        ``batch_size`` and ``epochs`` default to the job file's ``train`` section (epochs: 1 without).
         """
+        train = self.job_section("train")
+        batch_size = batch_size if batch_size is not None else train.get("batch_size")
+        if batch_size is None:
+            raise InvalidArgument("no batch size: pass batch_size= or set train.batch_size in the job file")
+        epochs = epochs if epochs is not None else train.get("epochs", 1)
         spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
         feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join,
                         chief=f"the chief at {self.chief_address}")
@@ -429,12 +477,16 @@ class Trainer:
         try:
             for task, token in self.clock.timed(feed):
                 for start, stop, batch in batches_of(data, task, batch_size):
+                    if _STOP_REQUESTED.is_set():
+                        self._hand_back(feed)
                     self._batch = BatchContext(task, token, start, stop)
                     yield batch
                 self._batch = None
                 with self._counter_lock:
                     self._progress.pop(task.task_id, None)
                 feed.mark_done(task)
+            if _STOP_REQUESTED.is_set():
+                self._hand_back(feed)
             feed.flush()
         finally:
             self._batch = None
@@ -471,8 +523,28 @@ class Trainer:
         with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=10), "report metrics to the chief",
                      deadline_s=120)
 
+    def _hand_back(self, feed: TaskFeed) -> None:
+        """Preempted between two batches: reports finished tasks and how far the current one got, leaves
+        (the chief hands the rest of this worker's tasks to the others) and ends the process with 0."""
+        held = sorted(self._progress)
+        log.info("worker %s stopping on request (SIGTERM) after %d step(s): handing back task(s) %s and "
+                 "leaving the job", self.member_id, self.step_count, held or "none")
+        self._batch = None
+        try:
+            feed.flush()
+            self.chief.heartbeat_sync()         # the chief resumes each task from this worker's progress
+        except grpc.RpcError as exc:
+            log.warning("could not report progress before leaving (%s); the chief resumes from the last "
+                        "heartbeat", exc.code().name)
+        self.close()
+        raise SystemExit(0)
+
     def close(self) -> None:
         """Leaves the job gracefully (returns held tasks) and closes connections."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
         self.telemetry.close()
         self.chief.leave()
         self._pool.shutdown(wait=False)

@@ -31,6 +31,7 @@ from shoal.errors import EXIT_ROLLBACK, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import RETRYABLE, open_channel
+from shoal.cli.scaler import WorkerScaler
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
 from shoal.cli.progress import Console, result_lines
 from shoal.cli import observe
@@ -73,6 +74,8 @@ class LocalConfig:
     alerts: AlertConfig = field(default_factory=AlertConfig)
     run_name: str = ""                 # the TensorBoard run folder ("": <mode>-<UTC time>)
     secure: bool = False               # a job token in the run dir (unless one is given) for every role
+    config: str = ""                   # the job file, passed to the chief (its autoscaling policy)
+    autoscale: bool = False            # start and stop workers to follow the chief's desired count
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -153,6 +156,7 @@ class LocalCluster:
         self.exits: dict[str, int] = {}       # workers that ended for good: name -> exit status
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
+        self.scaler: WorkerScaler | None = None
 
     def _secure(self) -> None:
         """A job token and mutual TLS for every role started from here (their files in the run dir),
@@ -203,6 +207,7 @@ class LocalCluster:
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
                                       "--nonfinite", job.nonfinite,
                                       "--journal", str(self._new_journal()), *self._checkpoint_args(),
+                                      *(["--config", self.cfg.config] if self.cfg.config else []),
                                       *observe.local_role_flags(self.cfg, "chief", 0)])
         self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)
@@ -211,6 +216,8 @@ class LocalCluster:
                                    *observe.local_role_flags(self.cfg, "ps", k)])
         for k in range(self.cfg.num_workers):
             self.start_worker(f"worker{k}")
+        if self.cfg.autoscale:
+            self.scaler = WorkerScaler(self.chief_address, self.workers, self.start_worker, self.cfg.num_workers)
 
     def _checkpoint_args(self) -> list[str]:
         c = self.cfg
@@ -242,6 +249,8 @@ class LocalCluster:
         server that died as the workers ended is brought back: the job's records live there)."""
         while True:
             self.supervise()
+            if self.scaler is not None:
+                self.scaler.poll(time.monotonic())
             if all(w.name in self.exits for w in self.workers()) and not self._restart_at:
                 return dict(self.exits)
             time.sleep(0.05)
@@ -257,8 +266,8 @@ class LocalCluster:
                 self._rollback()
                 self.exits.clear()
                 break
-            if name.startswith("worker") and code == 0:
-                self.exits[name] = 0
+            if name.startswith("worker") and (code == 0 or (self.scaler and name in self.scaler.scaled_in)):
+                self.exits[name] = code          # done, or asked to leave by the autoscaler
             elif name not in self._restart_at and name not in self._gone:
                 self._on_failure(name, child, code, now, self.exits)
         for name, when in list(self._restart_at.items()):
@@ -388,6 +397,8 @@ class LocalCluster:
                              self.supervise)
 
     def stop(self) -> None:
+        if self.scaler is not None:
+            self.scaler.close()
         order = self.workers() + [c for n, c in self.children.items() if n.startswith("ps")]
         chief = [c for n, c in self.children.items() if n == "chief"]
         for group in (order, chief):  # the chief last, so members can leave cleanly

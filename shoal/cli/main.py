@@ -13,7 +13,10 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources, load_yaml
+from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources
+from shoal.cli import compose, k8s
+from shoal.cli.sources import add_commands as add_source_commands, apply_sources, autoscale_policy, export_job_file
+from shoal.jobfile import load_job
 from shoal.memory import tune_malloc
 from shoal.cli import observe, security
 from shoal.errors import EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, ShoalError, Unavailable
@@ -42,13 +45,24 @@ def _job_args(p: argparse.ArgumentParser) -> None:
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
-    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    job_keys = {"mode", "backup_workers", "staleness", "lease_seconds", "num_shards", "replicas", "recovery", "nonfinite"}
-    return from_sources(JobConfig, yaml_values={k: v for k, v in yaml_values.items() if k in job_keys},
+    # the job file's settings (--config) arrive as the flags' defaults (shoal.cli.sources)
+    return from_sources(JobConfig,
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards,
                              "replicas": args.replicas, "recovery": args.recovery,
                              "nonfinite": args.nonfinite})
+
+
+_CHIEF_HELP = "the chief's HOST:PORT (default $SHOAL_CHIEF, the job file's cluster.chief or TF_CONFIG)"
+_CONFIG_HELP = "the job file (YAML): every setting, nested (see examples/job.yaml); flags win over it"
+
+
+def _require_chief_and_script(args: argparse.Namespace) -> None:
+    if hasattr(args, "chief") and not args.chief:
+        raise InvalidArgument("no chief address: give --chief HOST:PORT, set SHOAL_CHIEF, cluster.chief in the "
+                              "job file, or TF_CONFIG")
+    if hasattr(args, "script") and args.command in ("worker", "local") and not args.script:
+        raise InvalidArgument("no training script: name one, or set train.script in the job file (--config)")
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +110,7 @@ def cmd_chief(args: argparse.Namespace) -> int:
     tensorboard, metrics_port = observe.tensorboard_dir(args), observe.metrics_port(args)
     security.warn_if_exposed("shoal chief", args.bind)
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args))
+                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args))
     server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
     _write_port(args.port_file, server.port)
     done = threading.Event()
@@ -157,6 +171,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
+    from shoal.worker.trainer import request_stop
+
+    def on_sigterm(*_: object) -> None:
+        """docker stop, kubectl delete pod, a spot notice: the Trainer hands back its task, leaves and
+        exits 0. Outside ``trainer.batches`` (set-up, evaluation), or on a second SIGTERM: die as usual."""
+        if not request_stop():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)       # a second one ends the process at once
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     sys.argv = [str(script), *args.script_args]
     sys.path.insert(0, str(script.resolve().parent))
     runpy.run_path(str(script), run_name="__main__")
@@ -177,9 +203,12 @@ def cmd_local(args: argparse.Namespace) -> int:
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
-                      keep_checkpoints=args.keep_checkpoints,
+                      keep_checkpoints=args.keep_checkpoints, config=args.config or "", autoscale=args.autoscale,
                       tensorboard=observe.tensorboard_dir(args), metrics_port=observe.metrics_port(args),
                       alerts=observe.alert_config(args), secure=args.secure)
+    if args.autoscale and not (args.config and load_job(args.config).section("autoscaling")):
+        raise InvalidArgument("--autoscale follows the job file's autoscaling section: give --config job.yaml "
+                              "with autoscaling: {min_workers, max_workers, target}")
     return run_local(cfg)
 
 
@@ -233,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"))
     sub = parser.add_subparsers(dest="command", required=True)
 
+    commands = parser.commands = sub.choices   # name -> sub-parser: the job file and TF_CONFIG fill defaults
     p = sub.add_parser("chief", help="run the chief (membership, data tasks, routing)")
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
                    help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
@@ -240,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
-    p.add_argument("--config", help="YAML file with job settings (mode, staleness, ...)")
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
                    help="SQLite file to keep the chief's state in; a restarted chief carries on from it")
     p.add_argument("--fresh", action="store_true", help="move an existing --journal aside and start the job over")
@@ -260,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("status", help="print the job at a glance")
-    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
+    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh in place every SECONDS (default 2) until Ctrl-C")
@@ -268,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ps", help="run one parameter server")
-    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), required="SHOAL_CHIEF" not in os.environ)
+    p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:0"),
                    help="address to listen on (default loopback; 0.0.0.0:PORT for every interface)")
     security.add_token_arg(p)
@@ -288,15 +320,18 @@ def build_parser() -> argparse.ArgumentParser:
                            ("local", "run chief, parameter servers and workers on this host")):
         p = sub.add_parser(name, help=helptext)
         if name == "worker":
-            p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"),
-                           required="SHOAL_CHIEF" not in os.environ)
+            p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
+            p.add_argument("--config", help=_CONFIG_HELP)
         else:
             p.add_argument("--ps", type=int, default=2, help="parameter servers (= shards)")
             p.add_argument("--workers", type=int, default=2)
             p.add_argument("--summary", help="write a JSON run summary here when training ends")
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
-            p.add_argument("--config", help="YAML file with job settings")
+            p.add_argument("--config", help=_CONFIG_HELP)
             p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
+            p.add_argument("--autoscale", action="store_true",
+                           help="start and stop workers to follow the chief's desired count (the job file's "
+                                "autoscaling section); --workers is the count to start with")
             p.add_argument("--restart-backoff", type=float, default=1.0,
                            help="seconds before the first restart of a crashed role; doubles each time")
             p.add_argument("--drain-seconds", type=float, default=60.0,
@@ -313,14 +348,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="carry pushes and pulls over the parameter servers' TCP data channel (tcp, the "
                             "default, when they offer one) or over gRPC")
         observe.add_args(p, alerts=True)
-        p.add_argument("script")
+        p.add_argument("script", nargs="?", help="the training script (default: the job file's train.script)")
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
+    add_source_commands(sub, commands)
+    for module in (compose, k8s):        # deployment generators
+        module.add_command(sub, commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args = apply_sources(parser, parser.commands, argv, args)
+        _require_chief_and_script(args)
+    except ShoalError as exc:
+        print(f"shoal {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    export_job_file(args)
     _setup_logging(args.log_level)
     tune_malloc()
     try:

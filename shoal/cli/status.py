@@ -62,7 +62,8 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                             "failed": stats.checkpoints_failed, "failed_step": stats.checkpoint_failed_step,
                             "error": stats.checkpoint_error},
             "lost_shards": list(stats.lost_shards),
-            "alerts": alerts_of(dict(stats.metrics))}
+            "alerts": alerts_of(dict(stats.metrics)),
+            **_autoscale(stats)}
 
 
 def alerts_of(job_metrics: dict[str, float]) -> list[dict[str, Any]]:
@@ -73,6 +74,14 @@ def alerts_of(job_metrics: dict[str, float]) -> list[dict[str, Any]]:
         if len(parts) == 3 and parts[0] == "alert":
             out.append({"kind": parts[1], "member": parts[2], "step": int(step)})
     return out
+
+
+def _autoscale(stats: pb.JobStats) -> dict[str, Any]:
+    """The chief's desired worker count (with an autoscaling policy) next to the live one."""
+    desired = stats.metrics.get("autoscale_desired_workers")
+    if desired is None:
+        return {}
+    return {"autoscale": {"desired_workers": int(desired), "live_workers": stats.workers_live}}
 
 
 def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
@@ -128,6 +137,8 @@ def render(s: dict[str, Any]) -> str:
     out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {'ready' if s['ready'] else 'NOT READY'}; "
            f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
+           *([f"autoscaling: {s['autoscale']['desired_workers']} worker(s) wanted, "
+              f"{s['autoscale']['live_workers']} live"] if "autoscale" in s else []),
            "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
     ck = s.get("checkpoints", {})
     if ck.get("failed"):
