@@ -90,14 +90,24 @@ class ShardRoutes:
                 log.info("shard %d: handed over to %s at %s; following the view", route.shard, route.primary_id,
                          route.primary_address)
                 self.clients[route.shard] = self._make(route.shard, route.primary_address)
-                self._retired.append(client)        # closed later: a call may still be finishing on it
+                self._retire(client)
                 self.moves += 1
         finally:
             self._lock.release()
 
+    def _retire(self, client: ShardClient) -> None:
+        """Closes a client the view moved away from after a lease: a call finishing on a server that left
+        on purpose has the time it needs, and a call blocked on one that stopped answering (the view also
+        drops an expired server) fails then and takes the failover path, instead of its own timeout."""
+        self._retired.append(client)
+        timer = threading.Timer(max(self.chief.lease_seconds, 1.0), client.close)
+        timer.daemon = True
+        timer.start()
+
     @staticmethod
     def _left(address: str, view: pb.ClusterView) -> bool:
-        """The server at ``address`` left the job on purpose (a dead one is the failover path's)."""
+        """The server at ``address`` is no longer in the job: it left, or its lease ran out (the view lists
+        live members only); :meth:`_retire` tells the two apart by whether its calls still finish."""
         states = {m.state for m in view.members if m.address == address}
         return not states or states == {MemberState.LEFT.value}
 
