@@ -46,9 +46,11 @@ def test_a_released_task_that_was_all_pushed_closes_once_and_the_epoch_waits_for
 
 def test_a_late_report_of_a_requeued_task_is_ignored_and_an_unknown_task_is_refused():
     q = queue(size=32, epochs=1)
-    [t] = q.take("w", 1)
-    q.release("w")                            # w's lease lapsed: t is back in the queue, held by nobody
-    q.complete("w", t.task_id)                # its report arrives late: ignored, nothing raised
+    held = q.take("w", 2)
+    q.release("w")                            # w's lease lapsed: both back in the queue, held by nobody
+    assert sorted(t.task_id for t in held) == [0, 1]
+    for t in held:
+        q.complete("w", t.task_id)            # the reports arrive late: ignored, nothing raised
     assert q.done_count == 0 and q.depth == 2
     for bogus in (-1, 2, 99):
         with pytest.raises(InvalidArgument, match=f"task {bogus} is not held by anyone"):
