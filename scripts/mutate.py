@@ -260,7 +260,7 @@ def render(tallies: list[Tally], survivors: list[dict], tree: Path) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in tallies:
         lines.append(f"| `{t.module}` | {t.total} | {t.killed} | {t.timeout} | {t.survived} | {t.incompetent} | "
-                     f"{t.pending} | {t.score} | {t.baseline_s:.1f} |")
+                     f"{t.pending} | {t.score} | {f'{t.baseline_s:.1f}' if t.baseline_s else '-'} |")
     for t in tallies:
         if t.error:
             lines.append(f"\n{t.module}: {t.error}")
