@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 import torch
@@ -22,7 +22,7 @@ from shoal import convert
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
-from shoal.errors import InvalidArgument
+from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.members import Counters
 from shoal.memory import tune_malloc
@@ -84,17 +84,23 @@ class Trainer:
     (:mod:`shoal.worker.momentum`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str = "sgd",
+    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str | OptimizerSpec = "sgd",
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
-                 ready_timeout_s: float = 120.0, **hparams: float):
+                 ready_timeout_s: float = 120.0, hparams_source: Callable[[], dict[str, float]] | None = None,
+                 **hparams: float):
         tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
         if not self.chief_address:
             raise InvalidArgument("no chief address: pass chief=HOST:PORT or set SHOAL_CHIEF")
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
-        spec = OptimizerSpec(optimizer, hparams)
+        spec = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(optimizer, hparams)
+        # the optimizer's current hyper-parameters ("0.lr", ...), sent with every push (LR schedulers)
+        self._hparams_source = hparams_source
+        # where a step's batch comes from when the loop is the user's (a DistributedSampler)
+        self._batch_source: Callable[[], BatchContext | None] | None = None
+        self._batch_done: Callable[[BatchContext], None] | None = None
         # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
         self.optimizer = server_optimizer(spec, self.encoder.sparse) if momentum_correction else spec
         self.momentum = LocalMomentum()
@@ -110,6 +116,7 @@ class Trainer:
         self._step_seconds = 0.0
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
+        self._data_done = 0                     # batches() went through this many epochs: the job's data is done
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat)
@@ -176,7 +183,7 @@ class Trainer:
             except grpc.RpcError as exc:
                 if not is_uninitialised(exc):
                     raise
-            reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+            reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
             if reply.created:
                 log.info("initialised shard %d from this worker's weights", shard)
             self._pull_shard(shard)
@@ -226,7 +233,7 @@ class Trainer:
         t0 = time.perf_counter()
         early = self._readiness.take() if self._readiness is not None else {}
         self._gather_grads()
-        batch = self._batch
+        batch = self._current_batch()
         if batch is not None:
             samples = samples or batch.stop - batch.start
         versions = self._step_versions if early else dict(self.versions)
@@ -239,6 +246,10 @@ class Trainer:
                 self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
             with self._counter_lock:
                 self._progress[batch.task.task_id] = batch.stop
+        if self._batch_source is not None:
+            self._batch = None
+            if batch is not None and self._batch_done is not None:
+                self._batch_done(batch)
         self.step_count += 1
         now = time.perf_counter()
         with self._counter_lock:
@@ -281,16 +292,23 @@ class Trainer:
             return f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
         return f"{self.member_id}/step{self.step_count}"
 
+    def _current_batch(self) -> BatchContext | None:
+        """The batch this step pushes: from :meth:`batches`, or the next one a sampler recorded."""
+        if self._batch is None and self._batch_source is not None:
+            self._batch = self._batch_source()
+        return self._batch
+
     def _launch_push(self, shard: int, versions: dict[int, int] | None = None):
         """Submits shard's push for the current step to the pool (from step() or a backward hook)."""
-        batch = self._batch
+        batch = self._current_batch()
         version = (versions or self._step_versions)[shard]
         samples = batch.stop - batch.start if batch is not None else 0
         ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
-        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready)
+        hparams = self._hparams_source() if self._hparams_source is not None else None   # read here: main thread
+        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready, hparams)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
-              batch: "BatchContext | None", ready=None) -> pb.PushReply:
+              batch: "BatchContext | None", ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
         a, b = self.plan.ranges[shard]
         if self.encoder.tag == "none" and not self.momentum.active(shard):
             grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory
@@ -302,8 +320,10 @@ class Trainer:
             if self.encoder.tag == "none":
                 grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
-        sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples,
-                         batch.header_fields() if batch is not None else {})
+        extra = batch.header_fields() if batch is not None else {}
+        if hparams:
+            extra["hparams"] = hparams
+        sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples, extra)
         self._sent[shard] = sent
         return self._send(shard, sent)
 
@@ -348,7 +368,7 @@ class Trainer:
         self._held.pop(shard, None)
         self.momentum.reset(shard)
         if is_uninitialised(exc):
-            client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+            client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
         self.versions[shard] = self._step_versions[shard] = version
         return version
@@ -396,7 +416,14 @@ class Trainer:
         """Yields the batches of the tasks the chief hands this worker, until the job's data is done.
 
         Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
+        One call goes through all ``epochs``: a second call after the job's data is done is an error
+        (inside your own epoch loop, use :class:`shoal.worker.DistributedSampler` instead).
         """
+        if self._data_done:
+            raise FailedPrecondition(
+                f"batches() already went through the job's data ({self._data_done} epoch(s)); it is one "
+                f"iterator over all epochs: pass epochs=N to a single call, or keep your own epoch loop "
+                f"with shoal.worker.DistributedSampler")
         spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
         feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join)
         self._feed = feed
@@ -406,14 +433,18 @@ class Trainer:
                     self._batch = BatchContext(task, token, start, stop)
                     yield batch
                 self._batch = None
-                with self._counter_lock:
-                    self._progress.pop(task.task_id, None)
+                self._task_finished(task)
                 feed.mark_done(task)
             feed.flush()
+            self._data_done = epochs
         finally:
             self._batch = None
             feed.close()
             self._feed = None
+
+    def _task_finished(self, task: Task) -> None:
+        with self._counter_lock:
+            self._progress.pop(task.task_id, None)
 
     # ------------------------------------------------------------ reporting
 
@@ -443,6 +474,13 @@ class Trainer:
 
     def close(self) -> None:
         """Leaves the job gracefully (returns held tasks) and closes connections."""
+        feed, self._feed = self._feed, None
+        if feed is not None:            # a sampler's: report the tasks it finished before leaving
+            try:
+                feed.flush()
+            except grpc.RpcError as exc:
+                log.warning("could not report finished tasks to the chief: %s", exc.details())
+            feed.close()
         self.chief.leave()
         self._pool.shutdown(wait=False)
         self.routes.close()

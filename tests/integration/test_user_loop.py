@@ -1,0 +1,160 @@
+"""A plain PyTorch loop on a cluster: the user's optimizer, scheduler, DataLoader and epoch loop."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from shoal.errors import FailedPrecondition, InvalidArgument
+from harness import run_threads
+from shoal.worker import DistributedOptimizer, DistributedSampler, Trainer
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def dataset(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return TensorDataset(torch.arange(n), x, y)
+
+
+def groups(m):
+    return [{"params": [m[0].weight, m[0].bias], "lr": 0.05, "weight_decay": 0.01},
+            {"params": [m[2].weight, m[2].bias]}]
+
+
+SCHEDULES = {
+    "steplr": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_users_optimizer_groups_and_scheduler_train_as_in_one_process(cluster_factory, schedule):
+    c = cluster_factory(2, mode="sync")
+    ds = dataset()
+    model = mlp()
+    opt = DistributedOptimizer(torch.optim.RMSprop(groups(model), lr=0.02, momentum=0.5), model,
+                               chief=c.chief_address)
+    sched = SCHEDULES[schedule](opt)
+    sampler = DistributedSampler(ds, batch_size=16, epochs=2, shuffle=True, seed=3)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler)
+    order = []
+    try:
+        for epoch in range(2):
+            for idx, x, y in loader:
+                order.append(idx)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                sched.step()
+    finally:
+        opt.close()
+    # the same batches in the same order, in one process
+    ref = mlp()
+    ref_opt = torch.optim.RMSprop(groups(ref), lr=0.02, momentum=0.5)
+    ref_sched = SCHEDULES[schedule](ref_opt)
+    _, x_all, y_all = ds.tensors
+    for idx in order:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x_all[idx]), y_all[idx]).backward()
+        ref_opt.step()
+        ref_sched.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    # each epoch a fresh permutation: every sample once, in another order than the epoch before
+    seen = torch.cat(order)
+    assert sorted(seen[:96].tolist()) == list(range(96)) == sorted(seen[96:].tolist())
+    assert not torch.equal(seen[:96], seen[96:])
+    # the servers stepped with the scheduler's last learning rates, group by group
+    lr_used = {k: v for ps in c.servers for s in ps.host.shards.values() for k, v in s.applied_hparams.items()}
+    assert lr_used["1.lr"] == pytest.approx(ref_opt.param_groups[1]["lr"] if schedule == "warmup" else 0.02 * 0.5 ** 5)
+    assert lr_used["0.lr"] == pytest.approx(0.05 * (1.0 if schedule == "warmup" else 0.5 ** 5))
+    # the wrapped optimizer is still the user's class; state_dict round-trips the scheduled lr
+    assert isinstance(opt, torch.optim.RMSprop)
+    state = opt.state_dict()
+    assert state["param_groups"][0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_two_workers_split_each_epoch_with_their_own_epoch_loops(cluster_factory):
+    c = cluster_factory(2, mode="async")
+    ds = dataset(n=100)                       # 100 = 6 full batches of 16 and one of 4, each epoch
+    seen = {0: [], 1: []}
+    models = [mlp(0), mlp(1)]
+
+    def worker(i):
+        model = models[i]
+        trainer = Trainer(model, chief=c.chief_address, optimizer="adam", lr=0.01)
+        opt = torch.optim.Adam(model.parameters())        # the sampler takes the trainer given
+        sampler = DistributedSampler(ds, batch_size=16, epochs=3, seed=1, trainer=trainer)
+        loader = DataLoader(ds, batch_size=16, sampler=sampler, num_workers=0)
+        del opt
+        try:
+            for epoch in range(3):
+                for idx, x, y in loader:
+                    seen[i].append((epoch, idx))
+                    trainer.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    trainer.step()
+        finally:
+            trainer.close()
+
+    run_threads(lambda: worker(0), lambda: worker(1), timeout_s=20)
+    for shard in (s for ps in c.servers for s in ps.host.shards.values()):
+        for e in range(3):
+            starts = shard.ledger.starts(e)
+            assert set(starts) == set(range(0, 100, 16)) and set(starts.values()) == {1}
+    everything = [idx for i in (0, 1) for _, idx in seen[i]]
+    assert sorted(torch.cat(everything).tolist()) == sorted(list(range(100)) * 3)
+    assert all(len(idx) in (16, 4) for i in (0, 1) for _, idx in seen[i])
+
+
+def test_an_epoch_with_nothing_left_is_an_empty_iteration_and_epochs_past_the_end_are_errors(cluster_factory):
+    c = cluster_factory(1, mode="async")
+    ds = dataset(n=32)
+    model = mlp()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, chief=c.chief_address)
+    sampler = DistributedSampler(ds, batch_size=16, epochs=2)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler)
+    try:
+        for x in loader:                       # epoch 0
+            opt.zero_grad()
+            F.cross_entropy(model(x[1]), x[2]).backward()
+            opt.step()
+        late = mlp()                           # joins after epoch 0 is handed out: epoch 0 is empty for it
+        late_opt = DistributedOptimizer(torch.optim.SGD(late.parameters(), lr=0.1), late, chief=c.chief_address)
+        late_sampler = DistributedSampler(ds, batch_size=16, epochs=2, trainer=late_opt.trainer)
+        assert list(DataLoader(ds, batch_size=16, sampler=late_sampler)) == []
+        late_opt.close()
+        for x in loader:                       # epoch 1
+            opt.zero_grad()
+            F.cross_entropy(model(x[1]), x[2]).backward()
+            opt.step()
+        with pytest.raises(InvalidArgument, match="the job trains 2 epoch"):
+            list(loader)
+        with pytest.raises(InvalidArgument, match=r"set_epoch\(5\): the job trains epochs 0..1"):
+            sampler.set_epoch(5)
+    finally:
+        opt.close()
+
+
+def test_calling_batches_again_after_the_data_is_done_is_an_error(cluster_factory):
+    c = cluster_factory(1, mode="async")
+    model = mlp()
+    trainer = Trainer(model, chief=c.chief_address)
+    x, y = dataset(n=32).tensors[1:]
+    try:
+        for epoch in range(2):                # the one-epoch trap: batches() inside an epoch loop
+            if epoch == 1:
+                with pytest.raises(FailedPrecondition, match="one iterator over all epochs"):
+                    next(iter(trainer.batches((x, y), batch_size=16)))
+                break
+            for xb, yb in trainer.batches((x, y), batch_size=16):
+                trainer.zero_grad()
+                F.cross_entropy(model(xb), yb).backward()
+                trainer.step()
+    finally:
+        trainer.close()
