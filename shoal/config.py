@@ -116,8 +116,16 @@ class OptimizerSpec:
     name: str = "sgd"
     hparams: Mapping[str, float] = field(default_factory=dict)
     groups: tuple[ParamGroupSpec, ...] = ()
+    # flat ranges of the model's buffers (BatchNorm statistics): never stepped by the optimizer; a
+    # push carries each buffer's change since the worker's last pull, which the shard adds (averaged
+    # over a sync round)
+    buffers: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        buffers = tuple((int(a), int(b)) for a, b in self.buffers)
+        if any(not 0 <= a < b for a, b in buffers):
+            raise InvalidArgument(f"buffer ranges must be non-empty and non-negative, got {buffers}")
+        object.__setattr__(self, "buffers", buffers)
         if self.name not in OPTIMIZER_DEFAULTS:
             _check_torch_class(self.name)
             if self.hparams:
@@ -151,11 +159,12 @@ class OptimizerSpec:
         return bool(self.groups)
 
     def to_json(self) -> str:
-        """The groups form for the wire and checkpoints; ``""`` for a registered name."""
-        if not self.groups:
+        """The groups form for the wire and checkpoints; ``""`` for a registered name without buffers."""
+        if not self.groups and not self.buffers:
             return ""
-        return json.dumps({"class": self.name, "groups": [
-            {"hparams": dict(g.hparams), "ranges": [list(r) for r in g.ranges]} for g in self.groups]})
+        return json.dumps({"class": self.name, "hparams": dict(self.hparams), "groups": [
+            {"hparams": dict(g.hparams), "ranges": [list(r) for r in g.ranges]} for g in self.groups],
+            "buffers": [list(r) for r in self.buffers]})
 
     @property
     def saved_name(self) -> str:
@@ -171,8 +180,9 @@ class OptimizerSpec:
     def from_json(cls, text: str) -> "OptimizerSpec":
         try:
             obj = json.loads(text)
-            return cls(str(obj["class"]), {}, tuple(ParamGroupSpec(g["hparams"], tuple(map(tuple, g["ranges"])))
-                                                    for g in obj["groups"]))
+            return cls(str(obj["class"]), dict(obj.get("hparams", {})),
+                       tuple(ParamGroupSpec(g["hparams"], tuple(map(tuple, g["ranges"]))) for g in obj["groups"]),
+                       tuple(map(tuple, obj.get("buffers", ()))))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"malformed optimizer spec: {exc}") from None
 

@@ -45,15 +45,36 @@ def torch_groups(spec: OptimizerSpec, start: int, numel: int) -> tuple[type, lis
     covering ``[start, start + numel)`` of the flat model; groups with nothing here are left out."""
     if not spec.torch_class:
         cls, kwargs = OPTIMIZERS[spec.name](dict(spec.hparams))
-        return cls, [(0, kwargs, [(0, numel)] if numel else [])]
+        stepped = _minus([(0, numel)] if numel else [], local_ranges(spec.buffers, start, numel))
+        return cls, [(0, kwargs, stepped)] if stepped else []
     cls = getattr(torch.optim, spec.name)
     out = []
     for gi, group in enumerate(spec.groups):
-        local = sorted((max(a, start) - start, min(b, start + numel) - start) for a, b in group.ranges
-                       if a < start + numel and b > start)
+        local = local_ranges(group.ranges, start, numel)
         if local:
-            out.append((gi, dict(group.hparams), _merge(local)))
+            out.append((gi, dict(group.hparams), local))
     return cls, out
+
+
+def local_ranges(ranges, start: int, numel: int) -> list[tuple[int, int]]:
+    """The parts of global flat ``ranges`` inside ``[start, start + numel)``, shard-local, merged."""
+    return _merge(sorted((max(a, start) - start, min(b, start + numel) - start) for a, b in ranges
+                         if a < start + numel and b > start))
+
+
+def _minus(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        pos = a
+        for h0, h1 in holes:
+            if h1 <= pos or h0 >= b:
+                continue
+            if h0 > pos:
+                out.append((pos, h0))
+            pos = max(pos, h1)
+        if pos < b:
+            out.append((pos, b))
+    return out
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -73,6 +94,7 @@ class ShardOptimizer:
         self.spec = spec
         self._flat = param
         cls, groups = torch_groups(spec, start, param.numel())
+        self._buffers = local_ranges(spec.buffers, start, param.numel())   # added to, never stepped
         self._segments: list[tuple[int, int, torch.Tensor]] = []
         torch_param_groups, self._index = [], {}
         for gi, hparams, ranges in groups:
@@ -95,7 +117,11 @@ class ShardOptimizer:
         """One step with ``grad`` (the shard's flat gradient; default: the flat parameter's ``.grad``)."""
         if grad is None:
             grad = self._flat.grad
-        if self._opt is None or grad is None:
+        if grad is None:
+            return
+        for a, b in self._buffers:             # a buffer moves by the change the workers saw
+            self._flat.detach()[a:b].add_(grad[a:b])
+        if self._opt is None:
             return
         for a, b, view in self._segments:
             view.grad = grad[a:b]

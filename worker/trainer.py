@@ -6,6 +6,7 @@ and pulled without gathering tensors one by one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,6 +32,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 
+from shoal.worker.buffers import ModelBuffers
 from shoal.worker.momentum import LocalMomentum, server_optimizer
 from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
 from shoal.worker.routes import ShardRoutes, is_failover, went_back
@@ -108,7 +110,12 @@ class Trainer:
         self.transport = transport or os.environ.get("SHOAL_TRANSPORT", "tcp")
         if self.transport not in TRANSPORTS:
             raise InvalidArgument(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
-        self.layout = ModelLayout.from_module(model)
+        # the flat vector: the parameters, then the buffers (worker/buffers.py)
+        self.param_layout = ModelLayout.from_module(model)
+        self.buffers = ModelBuffers(model, self.param_layout.numel)
+        self.layout = ModelLayout(self.param_layout.specs + tuple(self.buffers.specs))
+        if self.buffers.ranges:
+            self.optimizer = dataclasses.replace(self.optimizer, buffers=self.buffers.ranges)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
         self._batch: BatchContext | None = None
@@ -136,12 +143,13 @@ class Trainer:
         self.step_count = 0
         self._step_versions = dict(self.versions)
         self._sent: dict[int, _SentPush] = {}
-        self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
+        self._readiness = GradReadiness(self._params, self._grad_views, self.param_layout, self.plan,
                                         self._launch_push) if overlap else None
         self._started = False
         self._initialise_or_pull()
         self._follow_shards()
         self.staging.before_compute()
+        self.buffers.load(self.flat_weights)       # the job's buffers, not this process's fresh ones
         self._started = True
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
@@ -164,13 +172,17 @@ class Trainer:
     def _bind_flat_buffers(self) -> None:
         params = list(self.model.parameters())
         device = params[0].device if params else torch.device("cpu")
-        self.flat_weights = self.layout.flatten([p.detach() for p in params])
+        self.flat_weights = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        pn = self.param_layout.numel
+        self.param_layout.flatten([p.detach() for p in params], out=self.flat_weights[:pn])
+        self.buffers.write(self.flat_weights)
         self.flat_grads = torch.zeros_like(self.flat_weights)
-        for p, w, g in zip(params, self.layout.unflatten(self.flat_weights), self.layout.unflatten(self.flat_grads)):
+        weights, grads = self.param_layout.unflatten(self.flat_weights[:pn]), self.param_layout.unflatten(self.flat_grads[:pn])
+        for p, w, g in zip(params, weights, grads):
             p.data = w
             p.grad = g
         self._params = params
-        self._grad_views = self.layout.unflatten(self.flat_grads)
+        self._grad_views = grads
         self.device = device
 
     def _initialise_or_pull(self) -> None:
@@ -240,6 +252,7 @@ class Trainer:
         futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
         replies = self._push_then_pull(futures, versions)
         self.staging.before_compute()
+        self.buffers.load(self.flat_weights)
         replies = list(replies.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
@@ -303,6 +316,7 @@ class Trainer:
         batch = self._current_batch()
         version = (versions or self._step_versions)[shard]
         samples = batch.stop - batch.start if batch is not None else 0
+        self.buffers.fill_deltas(self.flat_grads)    # the forward passes since the last pull moved them
         ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
         hparams = self._hparams_source() if self._hparams_source is not None else None   # read here: main thread
         return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready, hparams)
@@ -316,7 +330,9 @@ class Trainer:
             grad = self.flat_grads[a:b]                       # compressed where it lives (GPU or CPU)
             if ready is not None:
                 torch.cuda.current_stream(grad.device).wait_event(ready)
-            grad = self.momentum.apply(shard, grad)
+            if self.momentum.active(shard):
+                grad = self.momentum.apply(shard, grad)
+                self.buffers.patch(grad, a, self.flat_grads)    # buffers' changes go as they are
             if self.encoder.tag == "none":
                 grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
@@ -408,6 +424,7 @@ class Trainer:
         """Refreshes the local weights from every shard (e.g. before evaluating)."""
         list(self._pool.map(self._pull_shard, self._clients))
         self.staging.before_compute()
+        self.buffers.load(self.flat_weights)
 
     # ------------------------------------------------------------ data
 

@@ -5,7 +5,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from shoal.errors import FailedPrecondition, InvalidArgument
-from harness import run_threads
+from harness import InProcessCluster, run_threads, wait_until
+from shoal.checkpoint import export_to_file, load_latest
+from shoal.chief.checkpointer import CheckpointConfig, Interval
+from shoal.config import JobConfig
 from shoal.worker import DistributedOptimizer, DistributedSampler, Trainer
 
 
@@ -158,3 +161,68 @@ def test_calling_batches_again_after_the_data_is_done_is_an_error(cluster_factor
                 trainer.step()
     finally:
         trainer.close()
+
+
+def bn_net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def test_batchnorm_buffers_are_the_jobs_state_on_every_worker_and_in_the_export(cluster_factory, tmp_path):
+    c = cluster_factory(2, mode="sync")
+    ds = dataset(n=128)
+    models = [bn_net(0), bn_net(1)]
+    opts = [DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, chief=c.chief_address) for m in models]
+
+    def worker(i):
+        sampler = DistributedSampler(ds, batch_size=16, epochs=2, seed=0, trainer=opts[i].trainer)
+        for epoch in range(2):
+            for idx, x, y in DataLoader(ds, batch_size=16, sampler=sampler):
+                opts[i].zero_grad()
+                F.cross_entropy(models[i](x), y).backward()
+                opts[i].step()
+
+    try:
+        run_threads(lambda: worker(0), lambda: worker(1), timeout_s=60)
+        for o in opts:
+            o.synchronize()
+        s0, s1 = (m.state_dict() for m in models)
+        bn = models[0][1]
+        assert bn.num_batches_tracked.item() > 0 and not torch.equal(bn.running_var, torch.ones(16))
+        for k in s0:
+            assert torch.equal(s0[k], s1[k]), f"{k} differs between the workers"
+        # a worker that joins starts from the job's buffers, not its fresh ones
+        late = bn_net(7)
+        late_opt = DistributedOptimizer(torch.optim.SGD(late.parameters(), lr=0.1), late, chief=c.chief_address)
+        assert torch.equal(late[1].running_mean, bn.running_mean)
+        assert late[1].num_batches_tracked.item() == bn.num_batches_tracked.item()
+        late_opt.close()
+    finally:
+        for o in opts:
+            o.close()
+
+
+def test_the_exported_model_loads_strictly_with_its_batchnorm_statistics_and_scores_the_same(tmp_path):
+    cfg = CheckpointConfig(str(tmp_path / "ckpts"), Interval(steps=4), keep=2, poll_s=0.05)
+    ds = dataset(n=64)
+    with InProcessCluster(1, JobConfig(mode="async", num_shards=1), checkpoint=cfg) as c:
+        model = bn_net()
+        opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model, chief=c.chief_address)
+        try:
+            for idx, x, y in DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, batch_size=16, epochs=1)):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            opt.synchronize()
+            final = opt.trainer.flat_weights.clone()
+            wait_until(lambda: (ck := load_latest(cfg.directory)) is not None and torch.equal(ck.flat_values(), final),
+                       timeout_s=30, what="the checkpoint taken when the data is done")
+        finally:
+            opt.close()
+    exported = bn_net(9)
+    exported.load_state_dict(torch.load(export_to_file(cfg.directory, tmp_path / "model.pt")), strict=True)
+    model.eval(), exported.eval()
+    _, x, _ = ds.tensors
+    assert torch.equal(exported[1].running_mean, model[1].running_mean)
+    torch.testing.assert_close(exported(x), model(x))
