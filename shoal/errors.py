@@ -56,6 +56,14 @@ class PermissionDenied(ShoalError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Refused(FailedPrecondition):
+    """The job refused this role for good (its model differs from the job's): exit ``EXIT_REFUSED``."""
+
+
+class Unreachable(Unavailable):
+    """A peer could not be reached within the stated deadline: exit ``EXIT_UNREACHABLE``."""
+
+
 # In a refusal of a worker's call by a ps that holds no primary copy of the shard:
 # the worker re-reads the cluster view and follows the shard to its primary.
 NOT_PRIMARY = "not the primary"

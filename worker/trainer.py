@@ -23,7 +23,7 @@ from shoal import convert
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
-from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.errors import FailedPrecondition, InvalidArgument, Refused, Unreachable
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.members import Counters
 from shoal.memory import tune_malloc
@@ -42,6 +42,7 @@ from shoal.worker.staging import Staging
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str | OptimizerSpec = "sgd",
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
-                 ready_timeout_s: float = 120.0, hparams_source: Callable[[], dict[str, float]] | None = None,
+                 ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None,
                  **hparams: float):
         tune_malloc()
         self.model = model
@@ -124,10 +125,14 @@ class Trainer:
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
         self._data_done = 0                     # batches() went through this many epochs: the job's data is done
+        if connect_timeout_s is None:
+            connect_timeout_s = float(os.environ.get("SHOAL_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT_S))
+        if not connect_timeout_s > 0:
+            raise InvalidArgument(f"connect timeout must be > 0 seconds, got {connect_timeout_s}")
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
-                                 heartbeat_extra=self._fill_heartbeat)
-        self.chief.join()
+                                 heartbeat_extra=self._fill_heartbeat, join_deadline_s=connect_timeout_s)
+        self._join(connect_timeout_s)
         self.chief.start_background()
         view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
         self.mode = view.job.mode
@@ -155,6 +160,23 @@ class Trainer:
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
     # ------------------------------------------------------------ setup
+
+    def _join(self, timeout_s: float) -> None:
+        """Joins the chief, retrying for ``timeout_s``; a refusal or an unreachable chief is one clear error."""
+        log.info("joining the chief at %s (giving up after %.0f s)", self.chief_address, timeout_s)
+        t0 = time.monotonic()
+        try:
+            self.chief.join()
+        except grpc.RpcError as exc:
+            self.chief.close()
+            code, details = exc.code(), exc.details() or ""
+            if code in RETRY_CODES:
+                raise Unreachable(f"cannot reach the chief at {self.chief_address}: gave up after "
+                                  f"{time.monotonic() - t0:.0f} s ({code.name}); is it running, and is the "
+                                  f"address right? (--connect-timeout / $SHOAL_CONNECT_TIMEOUT)") from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise Refused(f"the job refused this worker: {details}") from None
+            raise
 
     @property
     def member_id(self) -> str:
