@@ -110,9 +110,17 @@ class _Distributed:
             with torch.enable_grad():
                 loss = closure()
         self._shoal.step()
+        self._shoal_stepped = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients. Gradients left from a backward() that no step() followed mean the
+        step was skipped (a GradScaler found inf/nan): nothing was pushed, and its batch goes back
+        to the chief to be trained again."""
+        if not getattr(self, "_shoal_stepped", True) and any(
+                p.grad is not None for g in self.param_groups for p in g["params"]):
+            self._shoal.skip_batch()
+        self._shoal_stepped = False
         self._shoal.zero_grad()
 
     @property

@@ -481,6 +481,21 @@ class Trainer:
             feed.close()
             self._feed = None
 
+    def skip_batch(self) -> None:
+        """The loop skipped this batch's step (an inf/nan gradient under a GradScaler): nothing is pushed,
+        and the batch goes back to the chief, so the ledger still gets every batch once."""
+        if self._batch_source is None:
+            return
+        batch = self._current_batch()
+        if batch is None or self._feed is None:
+            return
+        log.info("step skipped (inf/nan gradients): batch %d/%d goes back to the chief", batch.task.epoch,
+                 batch.start)
+        self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
+        self._batch = None
+        if self._batch_done is not None:
+            self._batch_done(batch)
+
     def _task_finished(self, task: Task) -> None:
         with self._counter_lock:
             self._progress.pop(task.task_id, None)

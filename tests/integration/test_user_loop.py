@@ -226,3 +226,48 @@ def test_the_exported_model_loads_strictly_with_its_batchnorm_statistics_and_sco
     _, x, _ = ds.tensors
     assert torch.equal(exported[1].running_mean, model[1].running_mean)
     torch.testing.assert_close(exported(x), model(x))
+
+
+def test_grad_scaler_unscales_before_the_push_and_a_skipped_step_pushes_nothing(cluster_factory):
+    c = cluster_factory(1, mode="async")
+    ds = dataset(n=64)
+    model = mlp()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, chief=c.chief_address,
+                               overlap=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    sampler = DistributedSampler(ds, batch_size=16, epochs=2, seed=4)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler)
+    trained, n = [], 0
+    try:
+        for epoch in range(2):
+            for idx, x, y in loader:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x).float(), y)
+                if n == 2:
+                    loss = loss * float("inf")         # an overflow: the scaler skips this step
+                n += 1
+                scaler.scale(loss).backward()
+                before = opt.trainer.step_count
+                scaler.step(opt)
+                scaler.update()
+                if opt.trainer.step_count > before:
+                    trained.append(idx)
+            opt.zero_grad()
+    finally:
+        opt.close()
+    shard = c.servers[0].host.shards[0]
+    assert shard.version == len(trained) == 8                 # 8 batches in 2 epochs; the skipped one again
+    for e in range(2):
+        starts = shard.ledger.starts(e)
+        assert set(starts) == set(range(0, 64, 16)) and set(starts.values()) == {1}
+    ref = mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    _, x_all, y_all = ds.tensors
+    for idx in trained:                                       # unscaled: as without a scaler
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(ref(x_all[idx]).float(), y_all[idx]).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
