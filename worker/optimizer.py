@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from shoal.config import UNSUPPORTED_TORCH_OPTIMIZERS, OptimizerSpec, ParamGroupSpec
-from shoal.errors import InvalidArgument
+from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.layout import ModelLayout
 from shoal.optim import OPTIMIZERS, numeric_hparams
 from shoal.worker.trainer import Trainer
@@ -109,6 +109,13 @@ class _Distributed:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        passes = max(self._shoal_passes.values(), default=0)
+        self._shoal_passes.clear()
+        if passes > 1 and self._shoal._batch_source is not None:
+            raise FailedPrecondition(
+                f"step() after {passes} backward passes: gradient accumulation over micro-batches is not "
+                f"supported with DistributedSampler yet (each push names one batch for the exactly-once "
+                f"ledger); call step() after every backward(), or use a larger batch_size")
         self._shoal.step()
         self._shoal_stepped = True
         return loss
@@ -121,6 +128,7 @@ class _Distributed:
                 p.grad is not None for g in self.param_groups for p in g["params"]):
             self._shoal.skip_batch()
         self._shoal_stepped = False
+        self._shoal_passes.clear()
         self._shoal.zero_grad()
 
     @property
@@ -163,6 +171,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     trainer = Trainer(model, optimizer=spec, hparams_source=lambda: numeric_hparams(
         enumerate(wrapped.param_groups)), **trainer_options)
     wrapped._shoal = trainer
+    wrapped._shoal_passes = passes = {}            # backward passes per parameter since the last step
+
+    def count(p: torch.Tensor) -> None:
+        passes[id(p)] = passes.get(id(p), 0) + 1
+
+    for group in wrapped.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(count)
     _active.append(trainer)
     atexit.register(wrapped.close)
     log.debug("optimizer %s runs on the parameter servers as %s", base.__name__, spec.name)
