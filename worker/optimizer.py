@@ -155,7 +155,8 @@ class _Distributed:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, **trainer_options: Any):
     """Wraps the user's optimizer: same class, param groups and hyper-parameters, run on the shards.
 
-    ``trainer_options`` go to :class:`Trainer` (``chief``, ``compression``, ``transport``, ...).
+    ``trainer_options`` go to :class:`Trainer` (``chief``, ``compression``, ``transport``, ...);
+    ``overlap`` is off unless asked for, so gradients are pushed as the loop leaves them at ``step()``.
     The object returned shares the user's ``param_groups`` and ``state``: a scheduler made on either
     steers the servers.
     """
@@ -164,6 +165,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if isinstance(optimizer, _Distributed):
         raise InvalidArgument("this optimizer is already a DistributedOptimizer")
     spec = spec_from_torch(optimizer, model)
+    # pushes start at step(), after whatever the loop does to the gradients (clipping, a GradScaler's
+    # unscale_); overlap=True starts each shard's push during backward() instead, for speed
+    trainer_options.setdefault("overlap", False)
     base = type(optimizer)
     cls = type(base.__name__, (_Distributed, base), {"__module__": __name__})
     wrapped = cls.__new__(cls)

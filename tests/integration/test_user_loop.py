@@ -291,3 +291,23 @@ def test_accumulating_micro_batches_is_a_clear_error_not_a_misnamed_batch(cluste
         assert opt.trainer.step_count == 0
     finally:
         opt.close()
+
+
+def test_gradients_clipped_between_backward_and_step_are_what_is_pushed(cluster_factory):
+    c = cluster_factory(2, mode="async")
+    ds = dataset(n=32)
+    model, ref = mlp(), mlp()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, chief=c.chief_address)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    loader = DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, batch_size=16, epochs=1))
+    try:
+        for idx, x, y in loader:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.01)
+                o.step()
+    finally:
+        opt.close()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
