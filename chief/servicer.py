@@ -241,7 +241,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             if self.state.epoch != before:
                 self._cond.notify_all()
             return pb.TaskReply(tasks=[convert.task_to_pb(t, self.state.sign(request.member_id, t)) for t in tasks],
-                                finished=finished, epoch=self.state.epoch)
+                                finished=finished, epoch=self.state.epoch,
+                                data_epochs_open=self.state.tasks.epochs_open)
 
     @grpc_errors
     def ReportMetrics(self, request, context):

@@ -66,6 +66,11 @@ class TaskQueue:
         return self.spec is not None and len(self._done) == self.total
 
     @property
+    def epochs_open(self) -> int:
+        """How many data epochs have been opened (cut into tasks); only the last may still have todo tasks."""
+        return self._next_epoch
+
+    @property
     def completed_epochs(self) -> int:
         """How many leading epochs have every task (re-queued batches included) done."""
         n = 0

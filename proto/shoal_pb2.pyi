@@ -269,14 +269,16 @@ class TaskRequest(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., max_tasks: _Optional[int] = ..., done_task_ids: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[_Union[BatchRange, _Mapping]]] = ..., held_task_ids: _Optional[_Iterable[int]] = ..., reports_held: _Optional[bool] = ...) -> None: ...
 
 class TaskReply(_message.Message):
-    __slots__ = ("tasks", "finished", "epoch")
+    __slots__ = ("tasks", "finished", "epoch", "data_epochs_open")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATA_EPOCHS_OPEN_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[Task]
     finished: bool
     epoch: int
-    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., finished: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    data_epochs_open: int
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., finished: _Optional[bool] = ..., epoch: _Optional[int] = ..., data_epochs_open: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("member_id", "values")
@@ -359,7 +361,7 @@ class UnreachableReply(_message.Message):
     def __init__(self, expired: _Optional[bool] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
-    __slots__ = ("name", "hparams")
+    __slots__ = ("name", "hparams", "spec_json")
     class HparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -369,23 +371,27 @@ class OptimizerConfig(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     HPARAMS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     hparams: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    spec_json: str
+    def __init__(self, name: _Optional[str] = ..., hparams: _Optional[_Mapping[str, float]] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("layout_fingerprint", "shard", "numel", "optimizer", "offset")
+    __slots__ = ("layout_fingerprint", "shard", "numel", "optimizer", "offset", "flat_start")
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FLAT_START_FIELD_NUMBER: _ClassVar[int]
     layout_fingerprint: str
     shard: int
     numel: int
     optimizer: OptimizerConfig
     offset: int
-    def __init__(self, layout_fingerprint: _Optional[str] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+    flat_start: int
+    def __init__(self, layout_fingerprint: _Optional[str] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., offset: _Optional[int] = ..., flat_start: _Optional[int] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("created", "version")
@@ -396,7 +402,14 @@ class InitReply(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples", "has_batch", "task_id", "attempt", "token", "data_epoch", "task_start", "task_stop", "batch_start", "batch_stop")
+    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples", "has_batch", "task_id", "attempt", "token", "data_epoch", "task_start", "task_stop", "batch_start", "batch_stop", "hparams")
+    class HparamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +429,7 @@ class PushHeader(_message.Message):
     TASK_STOP_FIELD_NUMBER: _ClassVar[int]
     BATCH_START_FIELD_NUMBER: _ClassVar[int]
     BATCH_STOP_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shard: int
     layout_fingerprint: str
@@ -435,7 +449,8 @@ class PushHeader(_message.Message):
     task_stop: int
     batch_start: int
     batch_stop: int
-    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., has_batch: _Optional[bool] = ..., task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ...) -> None: ...
+    hparams: _containers.ScalarMap[str, float]
+    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., has_batch: _Optional[bool] = ..., task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "version", "reason", "duplicate")
@@ -642,7 +657,14 @@ class ReplicatedBatch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
-    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel")
+    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel", "hparams")
+    class HparamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SHARD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -652,6 +674,7 @@ class ReplicateHeader(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     version: int
     primary_id: str
@@ -661,7 +684,8 @@ class ReplicateHeader(_message.Message):
     offset: int
     numel: int
     shard_numel: int
-    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ...) -> None: ...
+    hparams: _containers.ScalarMap[str, float]
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InstallHeader(_message.Message):
     __slots__ = ("shard", "version", "primary_id", "offset", "total_bytes", "layout_fingerprint")

@@ -25,6 +25,8 @@ DENSE_FRACTION = 0.25   # a sparse update touching more than this share of the s
 def leaves_zeros_alone(spec: OptimizerSpec) -> bool:
     """Whether the optimizer leaves an element whose gradient is zero unchanged."""
     h = dict(spec.hparams)
+    if spec.torch_class:
+        return False
     return spec.name == "sgd" and not h.get("momentum", 0.0) and not h.get("weight_decay", 0.0)
 
 

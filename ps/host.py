@@ -121,7 +121,7 @@ class ShardHost:
         return s
 
     def create(self, shard: int, values: torch.Tensor, optimizer: OptimizerSpec, fingerprint: str,
-               restore_wait_s: float = 300.0) -> tuple[Shard, bool]:
+               restore_wait_s: float = 300.0, flat_start: int = 0) -> tuple[Shard, bool]:
         with self._lock:
             if not self._restored.wait_for(lambda: shard not in self._restoring, timeout=restore_wait_s):
                 raise Unavailable(f"shard {shard} is still being restored from a checkpoint")
@@ -133,7 +133,7 @@ class ShardHost:
                 return existing, False
             if shard not in self.assigned or self.job is None:
                 raise Unavailable(f"shard {shard} is not assigned to this parameter server (yet)")
-            s = Shard(shard, values, optimizer, rule_for(self.job), fingerprint)
+            s = Shard(shard, values, optimizer, rule_for(self.job), fingerprint, flat_start=flat_start)
             self._place(s, PRIMARY)
             log.info("shard %d initialised: %d elements, %s, mode %s", shard, s.numel,
                      optimizer.name, self.job.mode)

@@ -58,6 +58,7 @@ def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> l
         head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=off, numel=n,
                                   shard_numel=numel)
         if off == 0:
+            head.hparams.update(dict(u.hparams))
             head.keys.extend(u.keys)
             head.workers.extend(u.workers)
             head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
@@ -91,14 +92,15 @@ def update_header(shard: int, primary_id: str, u: Update) -> pb.ReplicateHeader:
     """The header of an update sent whole (one message: the TCP data channel)."""
     numel = u.grad.numel()
     head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=0, numel=numel,
-                              shard_numel=numel, keys=u.keys, workers=u.workers)
+                              shard_numel=numel, keys=u.keys, workers=u.workers, hparams=dict(u.hparams))
     head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
     return head
 
 
 def update_from_header(head: pb.ReplicateHeader, grad: torch.Tensor) -> Update:
     batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in head.batches)
-    return Update(head.version, grad, tuple(head.keys), batches, tuple(head.workers))
+    return Update(head.version, grad, tuple(head.keys), batches, tuple(head.workers),
+                  hparams=tuple(sorted(head.hparams.items())))
 
 
 def replica_bytes(replica: dict) -> bytes:

@@ -137,8 +137,10 @@ class DataServicer:
             raise InvalidArgument(f"Init of shard {first.shard}: the initial weights hold {bad} non-finite "
                                   f"value(s) (NaN/Inf)")
         self.host.count(inbound=nbytes)
-        spec = OptimizerSpec(first.optimizer.name or "sgd", dict(first.optimizer.hparams))
-        shard, created = self.host.create(first.shard, values, spec, first.layout_fingerprint)
+        spec = OptimizerSpec.from_json(first.optimizer.spec_json) if first.optimizer.spec_json else \
+            OptimizerSpec(first.optimizer.name or "sgd", dict(first.optimizer.hparams))
+        shard, created = self.host.create(first.shard, values, spec, first.layout_fingerprint,
+                                          flat_start=first.flat_start)
         if shard.numel != first.numel:
             raise FailedPrecondition(f"shard {first.shard} has {shard.numel} elements, Init sent {first.numel}")
         return pb.InitReply(created=created, version=shard.version).SerializeToString()
@@ -274,7 +276,7 @@ class PushAssembly:
         self.servicer.host.count(inbound=nbytes)
         grad = self.grad if self.grad is not None else torch.empty(0, dtype=torch.float32)
         r = shard.push(first.worker_id, first.version, grad, first.key, self.servicer.batch_of(first),
-                       owned=self.owned, sparse=self.sparse)
+                       owned=self.owned, sparse=self.sparse, hparams=dict(first.hparams))
         return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate)
 
 
@@ -303,4 +305,5 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                               backup=r.backup if r else "", backup_state=r.state if r else "none",
                               promotions=self.host.promotions, nonfinite_refused=s.nonfinite_counts(),
                               optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
-                                                           hparams=dict(s.optimizer_spec.hparams)))
+                                                           hparams=dict(s.optimizer_spec.hparams),
+                                                           spec_json=s.optimizer_spec.to_json()))

@@ -62,6 +62,7 @@ class Update:
     batches: tuple[tuple[BatchKey, str], ...] = ()   # ledger entries: batch -> the push that applied it
     workers: tuple[str, ...] = ()              # whose clocks advance
     sparse: bool = False                       # grad is zero outside a few elements (top-k pushes)
+    hparams: tuple[tuple[str, float], ...] = ()  # the hyper-parameters it steps with ("0.lr", ...); () unchanged
 
 
 @dataclass
@@ -74,7 +75,7 @@ class ShardStats:
 
 class Shard:
     def __init__(self, shard_id: int, values: torch.Tensor, optimizer: OptimizerSpec, rule: Rule,
-                 fingerprint: str, clock: Callable[[], float] = time.monotonic):
+                 fingerprint: str, clock: Callable[[], float] = time.monotonic, flat_start: int = 0):
         if values.dim() != 1 or values.dtype != torch.float32:
             raise InvalidArgument("shard values must be a 1-D float32 tensor")
         self.shard_id = shard_id
@@ -83,7 +84,9 @@ class Shard:
         self.rule = rule
         self._clock = clock
         self._param = torch.nn.Parameter(values.detach().clone(), requires_grad=False)
-        self._opt = build_optimizer(self._param, optimizer)
+        self.flat_start = flat_start           # where the slice starts in the flat model (param groups)
+        self._opt = build_optimizer(self._param, optimizer, flat_start)
+        self.applied_hparams: dict[str, float] = self._opt.hparams()   # what the last update stepped with
         self._cond = threading.Condition()
         self.version = 0
         self.changes = ChangeLog(self.numel, self.version, optimizer)
@@ -92,6 +95,7 @@ class Shard:
         self._round_workers: set[str] = set()
         self._round_keys: list[str] = []
         self._round_batches: dict[BatchKey, str] = {}
+        self._round_hparams: dict[str, float] = {}
         self._clocks: dict[str, int] = {}            # ssp: updates applied per worker
         # Workers a sync round waits for (when busy): those present before the first update, and
         # those that have offered a gradient since. A worker that joins a running job is still loading
@@ -123,7 +127,7 @@ class Shard:
 
     def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "",
              batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
-             sparse: bool = False) -> PushResult:
+             sparse: bool = False, hparams: dict[str, float] | None = None) -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
@@ -131,12 +135,16 @@ class Shard:
         whoever pushes it). ``owned``: the shard may keep and modify ``grad``. An ``ssp`` push that is too far ahead waits up to
         ``wait_s`` and then fails with a retryable ResourceExhausted. ``sparse``: the gradient is zero
         outside a few elements (top-k), which lets delta pulls send only what the update changed.
+        ``hparams``: the user's current hyper-parameters (``"0.lr"``, ...; an LR scheduler's); the
+        update that applies this push steps with the newest a push of its round carried.
         """
         if grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
         bad = count_nonfinite(grad)
         if bad:
             return self._refuse_nonfinite(worker, bad)
+        if hparams:
+            self._opt.check_hparams(hparams)
         deadline = self._clock() + wait_s
         with self._cond:
             self._pushed.add(worker)
@@ -174,6 +182,8 @@ class Shard:
                 self._round_sum.add_(grad)
             self._round_workers.add(worker)
             self._nonfinite_streak.pop(worker, None)
+            if hparams:
+                self._round_hparams.update(hparams)
             if key:
                 self._round_keys.append(key)
             if batch is not None:
@@ -231,7 +241,7 @@ class Shard:
         assert self._round_sum is not None
         grad = self._round_sum.div_(n) if n > 1 else self._round_sum
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
-                        tuple(sorted(self._round_workers)), self._round_sparse)
+                        tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())))
         if self.replicator is not None:
             try:
                 self.replicator(update)
@@ -245,7 +255,7 @@ class Shard:
             self._check_not_fenced()
         self._apply(update)
         self._round_sum, self._round_workers, self._round_keys = None, set(), []
-        self._round_batches = {}
+        self._round_batches, self._round_hparams = {}, {}
         log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
 
     def fence(self, why: str) -> None:
@@ -278,9 +288,10 @@ class Shard:
 
     def _apply(self, u: Update) -> None:
         """Takes one optimizer step (lock held): the same code on a primary and on its backup."""
-        self._param.grad = u.grad
-        self._opt.step()
-        self._param.grad = None
+        if u.hparams:
+            self._opt.set_hparams(dict(u.hparams))
+            self.applied_hparams = self._opt.hparams()
+        self._opt.step(u.grad)
         self.version = u.version
         self.changes.record(u.version, u.grad, u.sparse)
         self.stats.updates += 1
@@ -422,8 +433,9 @@ class Shard:
     def export_state(self, start: int = 0) -> ShardState:
         """A copy of everything a restore needs; ``start`` is the shard's offset in the flat model."""
         with self._cond:
+            start = start or self.flat_start
             return ShardState(self.shard_id, start, start + self.numel, self._param.detach().clone(),
-                              self.optimizer_spec.name, dict(self.optimizer_spec.hparams),
+                              self.optimizer_spec.saved_name, dict(self.optimizer_spec.hparams),
                               copy.deepcopy(self._opt.state_dict()), self.version,
                               {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint})
 
@@ -460,8 +472,8 @@ class Shard:
     def from_state(cls, state: ShardState, rule: Rule, fingerprint: str,
                    clock: Callable[[], float] = time.monotonic) -> "Shard":
         """A shard rebuilt from a checkpoint: weights, optimizer state, version and ledger."""
-        s = cls(state.shard, state.values, OptimizerSpec(state.optimizer, dict(state.hparams)), rule, fingerprint,
-                clock)
+        s = cls(state.shard, state.values, OptimizerSpec.from_saved(state.optimizer, dict(state.hparams)), rule,
+                fingerprint, clock, flat_start=state.start)
         s._opt.load_state_dict(state.opt_state)
         s.version = int(state.version)
         s.changes = ChangeLog(s.numel, s.version, s.optimizer_spec)

@@ -261,10 +261,10 @@ def load_latest(root: str | Path) -> Checkpoint | None:
 # ---------------------------------------------------------------- export
 
 def export_state_dict(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Parameter name -> tensor (layout shape, contiguous clone), for ``module.load_state_dict``.
-
-    Only parameters are checkpointed: a module with buffers (e.g. BatchNorm running
-    stats) needs ``strict=False``.
+    """Parameter and buffer name -> tensor (layout shape, contiguous clone), for
+    ``module.load_state_dict(..., strict=True)``: workers put the model's buffers (BatchNorm
+    running statistics) after its parameters in the layout. Buffers are stored as fp32; an integer
+    one (``num_batches_tracked``) is cast back by ``load_state_dict``.
     """
     views = ckpt.layout.unflatten(ckpt.flat_values())
     return {spec.name: v.contiguous().clone() for spec, v in zip(ckpt.layout.specs, views)}

@@ -43,7 +43,7 @@ class ShardState:
     start: int                      # range [start, stop) in the flat model vector
     stop: int
     values: torch.Tensor            # 1-D fp32, length stop - start
-    optimizer: str                  # registered optimizer name (sgd|adam|adamw)
+    optimizer: str                  # registered name (sgd|adam|adamw) or OptimizerSpec.to_json() (torch class)
     hparams: dict[str, float]
     opt_state: dict                 # torch ``optimizer.state_dict()`` over the single flat param
     version: int = 0
@@ -94,9 +94,12 @@ def opt_state_from_flat(name: str, tensors: Mapping[str, torch.Tensor], scalars:
     when present and simply absent otherwise. Empty tensors and scalars give the
     state of a fresh optimizer.
     """
-    spec = OptimizerSpec(name, dict(hparams))
-    probe = OPTIMIZERS[spec.name](torch.nn.Parameter(torch.zeros(1)), dict(spec.hparams))
-    group = probe.state_dict()["param_groups"][0]
+    spec = OptimizerSpec.from_saved(name, dict(hparams))
+    if spec.torch_class:        # the shard's own param groups hold the hyper-parameters
+        group: dict[str, Any] = {"params": [0]}
+    else:
+        cls, kwargs = OPTIMIZERS[spec.name](dict(spec.hparams))
+        group = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs).state_dict()["param_groups"][0]
     if "max_exp_avg_sq" in tensors and "amsgrad" in group:
         group["amsgrad"] = True
     lengths = {t.numel() for t in tensors.values()}
@@ -278,8 +281,10 @@ def _validate_state(state: ShardState) -> None:
     if v.dim() != 1 or v.dtype != torch.float32 or v.numel() != state.stop - state.start:
         raise InvalidArgument(f"shard {state.shard}: values must be 1-D float32 with {state.stop - state.start} "
                               f"elements, got {tuple(v.shape)} {v.dtype}")
-    if state.optimizer not in OPTIMIZERS:
-        raise InvalidArgument(f"shard {state.shard}: unknown optimizer {state.optimizer!r}")
+    try:
+        OptimizerSpec.from_saved(state.optimizer, state.hparams)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"shard {state.shard}: {exc}") from None
 
 
 def _open_fully(path: Path) -> None:

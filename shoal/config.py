@@ -6,6 +6,7 @@ variables all map onto these classes; nothing else passes settings around.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -71,16 +72,76 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 
+# torch.optim classes a shard cannot run over flat slices of the model, and why
+UNSUPPORTED_TORCH_OPTIMIZERS: dict[str, str] = {
+    "LBFGS": "it re-evaluates the loss through a closure, which the parameter servers do not have",
+    "SparseAdam": "it needs sparse gradients; shoal pushes dense (or top-k encoded) ones",
+    "Adafactor": "it factors each matrix's statistics over rows and columns; a shard holds flat slices",
+    "Muon": "it orthogonalises whole 2-D matrices; a shard holds flat slices",
+}
+
+
+@dataclass(frozen=True)
+class ParamGroupSpec:
+    """One param group of a torch optimizer: its hyper-parameters and the flat model ranges it covers."""
+
+    hparams: Mapping[str, Any]
+    ranges: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        clean: dict[str, Any] = {}
+        for key, value in dict(self.hparams).items():
+            if key == "params":
+                continue
+            if isinstance(value, list):
+                value = tuple(value)
+            ok = value is None or isinstance(value, (bool, int, float, str)) or (
+                isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value))
+            if not ok:
+                raise InvalidArgument(f"param group hyper-parameter {key!r} = {value!r} cannot be sent to the "
+                                      f"parameter servers (numbers, booleans, strings or tuples of numbers only)")
+            clean[key] = value
+        if "lr" in clean and isinstance(clean["lr"], (int, float)) and not clean["lr"] >= 0:
+            raise InvalidArgument(f"learning rate must be >= 0, got {clean['lr']}")
+        ranges = tuple((int(a), int(b)) for a, b in self.ranges)
+        if any(not 0 <= a < b for a, b in ranges):
+            raise InvalidArgument(f"param group ranges must be non-empty and non-negative, got {ranges}")
+        object.__setattr__(self, "hparams", clean)
+        object.__setattr__(self, "ranges", ranges)
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """A server-side optimizer by name with its hyper-parameters."""
+    """A server-side optimizer by name with its hyper-parameters.
+
+    ``name`` is a registered name (``sgd``, ``adam``, ``adamw``) with float ``hparams``
+    over the whole model, or the name of a ``torch.optim`` class (``RMSprop``) with
+    ``groups``: the user's param groups, each with its hyper-parameters and flat ranges.
+    """
 
     name: str = "sgd"
     hparams: Mapping[str, float] = field(default_factory=dict)
+    groups: tuple[ParamGroupSpec, ...] = ()
+    # flat ranges of the model's buffers (BatchNorm statistics): never stepped by the optimizer; a
+    # push carries each buffer's change since the worker's last pull, which the shard adds (averaged
+    # over a sync round)
+    buffers: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        buffers = tuple((int(a), int(b)) for a, b in self.buffers)
+        if any(not 0 <= a < b for a, b in buffers):
+            raise InvalidArgument(f"buffer ranges must be non-empty and non-negative, got {buffers}")
+        object.__setattr__(self, "buffers", buffers)
         if self.name not in OPTIMIZER_DEFAULTS:
-            raise InvalidArgument(f"unknown optimizer {self.name!r}; known: {', '.join(sorted(OPTIMIZER_DEFAULTS))}")
+            _check_torch_class(self.name)
+            if self.hparams:
+                raise InvalidArgument(f"optimizer {self.name!r}: hyper-parameters go in its param groups")
+            if not self.groups:
+                raise InvalidArgument(f"optimizer {self.name!r} has no param groups")
+            object.__setattr__(self, "groups", tuple(self.groups))
+            return
+        if self.groups:
+            raise InvalidArgument(f"optimizer {self.name!r} takes hyper-parameters, not param groups")
         known = OPTIMIZER_DEFAULTS[self.name]
         bad = sorted(set(self.hparams) - set(known))
         if bad:
@@ -97,6 +158,51 @@ class OptimizerSpec:
             if value is not None and not (low <= value < high):
                 raise InvalidArgument(f"optimizer {self.name!r}: {key} must be in [{low:g}, {high:g}), got {value:g}")
         object.__setattr__(self, "hparams", merged)
+
+    @property
+    def torch_class(self) -> bool:
+        """True for a ``torch.optim`` class with param groups (not a registered name)."""
+        return bool(self.groups)
+
+    def to_json(self) -> str:
+        """The groups form for the wire and checkpoints; ``""`` for a registered name without buffers."""
+        if not self.groups and not self.buffers:
+            return ""
+        return json.dumps({"class": self.name, "hparams": dict(self.hparams), "groups": [
+            {"hparams": dict(g.hparams), "ranges": [list(r) for r in g.ranges]} for g in self.groups],
+            "buffers": [list(r) for r in self.buffers]})
+
+    @property
+    def saved_name(self) -> str:
+        """What checkpoints and replicas store as the optimizer: the registered name, or the JSON spec."""
+        return self.to_json() or self.name
+
+    @classmethod
+    def from_saved(cls, name: str, hparams: Mapping[str, float]) -> "OptimizerSpec":
+        """The inverse of :attr:`saved_name` (with the registered name's hyper-parameters)."""
+        return cls.from_json(name) if name.startswith("{") else cls(name, dict(hparams))
+
+    @classmethod
+    def from_json(cls, text: str) -> "OptimizerSpec":
+        try:
+            obj = json.loads(text)
+            return cls(str(obj["class"]), dict(obj.get("hparams", {})),
+                       tuple(ParamGroupSpec(g["hparams"], tuple(map(tuple, g["ranges"]))) for g in obj["groups"]),
+                       tuple(map(tuple, obj.get("buffers", ()))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"malformed optimizer spec: {exc}") from None
+
+
+def _check_torch_class(name: str) -> None:
+    import torch.optim
+
+    why = UNSUPPORTED_TORCH_OPTIMIZERS.get(name)
+    if why:
+        raise InvalidArgument(f"optimizer torch.optim.{name} cannot run on the parameter servers: {why}")
+    cls = getattr(torch.optim, name, None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or name == "Optimizer":
+        raise InvalidArgument(f"unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZER_DEFAULTS))} "
+                              f"or a torch.optim class name (e.g. RMSprop)")
 
 
 # [low, high) of the hyper-parameters torch.optim checks (and the workers' shares of them); a value

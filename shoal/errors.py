@@ -83,3 +83,9 @@ class Unreachable(ShoalError):
 
     code = grpc.StatusCode.UNAVAILABLE
     exit_code = EXIT_UNREACHABLE
+
+
+class Refused(FailedPrecondition):
+    """The job refused this role for good (its model differs from the job's): exit ``EXIT_REFUSED``."""
+
+    exit_code = EXIT_REFUSED

@@ -1,40 +1,272 @@
-"""Server-side optimizers, registered by name, built over one flat shard.
+"""Server-side optimizers over one flat shard: a registered name, or any element-wise ``torch.optim`` class.
 
 Every supported optimizer is element-wise, so applying ``torch.optim`` to a
-shard's slice gives exactly what it would give on the whole model.
+shard's slice gives exactly what it would give on the whole model. A
+:class:`ShardOptimizer` runs one torch optimizer whose param groups are the
+user's: each group holds views of the parts of the shard's flat slice that the
+group covers (a slice may span several groups, or cover elements no group
+owns, e.g. frozen parameters, which are never stepped). Its ``state_dict`` is in
+the one-flat-parameter form checkpoints store (``shoal.checkpoint_store``),
+whatever the groups.
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Any, Callable, Mapping
 
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.config import OptimizerSpec, ParamGroupSpec
+from shoal.errors import InvalidArgument
 
-Factory = Callable[[torch.nn.Parameter, dict[str, float]], torch.optim.Optimizer]
-
-
-def _sgd(p: torch.nn.Parameter, h: dict[str, float]) -> torch.optim.Optimizer:
-    return torch.optim.SGD([p], lr=h["lr"], momentum=h["momentum"], dampening=h["dampening"],
-                           weight_decay=h["weight_decay"], nesterov=bool(h["nesterov"]))
+Factory = Callable[[dict[str, float]], tuple[type, dict[str, Any]]]
 
 
-def _adam(p: torch.nn.Parameter, h: dict[str, float]) -> torch.optim.Optimizer:
-    return torch.optim.Adam([p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
-                            weight_decay=h["weight_decay"])
+def _sgd(h: dict[str, float]) -> tuple[type, dict[str, Any]]:
+    return torch.optim.SGD, dict(lr=h["lr"], momentum=h["momentum"], dampening=h["dampening"],
+                                 weight_decay=h["weight_decay"], nesterov=bool(h["nesterov"]))
 
 
-def _adamw(p: torch.nn.Parameter, h: dict[str, float]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
-                             weight_decay=h["weight_decay"])
+def _adam(h: dict[str, float]) -> tuple[type, dict[str, Any]]:
+    return torch.optim.Adam, dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
+                                  weight_decay=h["weight_decay"])
+
+
+def _adamw(h: dict[str, float]) -> tuple[type, dict[str, Any]]:
+    return torch.optim.AdamW, dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
+                                   weight_decay=h["weight_decay"])
 
 
 OPTIMIZERS: dict[str, Factory] = {"sgd": _sgd, "adam": _adam, "adamw": _adamw}
 
 
-def build_optimizer(param: torch.nn.Parameter, spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """``spec`` is validated on construction, so its name is always registered."""
-    return OPTIMIZERS[spec.name](param, dict(spec.hparams))
+def torch_groups(spec: OptimizerSpec, start: int, numel: int) -> tuple[type, list[tuple[int, dict, list]]]:
+    """``(class, [(user group index, hyper-parameters, [(a, b) local ranges])])`` for the shard
+    covering ``[start, start + numel)`` of the flat model; groups with nothing here are left out."""
+    if not spec.torch_class:
+        cls, kwargs = OPTIMIZERS[spec.name](dict(spec.hparams))
+        stepped = _minus([(0, numel)] if numel else [], local_ranges(spec.buffers, start, numel))
+        return cls, [(0, kwargs, stepped)] if stepped else []
+    cls = getattr(torch.optim, spec.name)
+    out = []
+    for gi, group in enumerate(spec.groups):
+        local = local_ranges(group.ranges, start, numel)
+        if local:
+            out.append((gi, dict(group.hparams), local))
+    return cls, out
+
+
+def local_ranges(ranges, start: int, numel: int) -> list[tuple[int, int]]:
+    """The parts of global flat ``ranges`` inside ``[start, start + numel)``, shard-local, merged."""
+    return _merge(sorted((max(a, start) - start, min(b, start + numel) - start) for a, b in ranges
+                         if a < start + numel and b > start))
+
+
+def _minus(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        pos = a
+        for h0, h1 in holes:
+            if h1 <= pos or h0 >= b:
+                continue
+            if h0 > pos:
+                out.append((pos, h0))
+            pos = max(pos, h1)
+        if pos < b:
+            out.append((pos, b))
+    return out
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class ShardOptimizer:
+    """The user's optimizer over one shard's flat slice ``param`` (which starts at ``start`` in the model)."""
+
+    def __init__(self, param: torch.Tensor, spec: OptimizerSpec, start: int = 0):
+        self.spec = spec
+        self._flat = param
+        cls, groups = torch_groups(spec, start, param.numel())
+        self._buffers = local_ranges(spec.buffers, start, param.numel())   # added to, never stepped
+        self._segments: list[tuple[int, int, torch.Tensor]] = []
+        torch_param_groups, self._index = [], {}
+        for gi, hparams, ranges in groups:
+            views = []
+            for a, b in ranges:
+                view = param.detach()[a:b]
+                self._segments.append((a, b, view))
+                views.append(view)
+            self._index[gi] = len(torch_param_groups)
+            torch_param_groups.append({**hparams, "params": views})
+        self._segments.sort(key=lambda s: s[0])
+        try:
+            self._opt = cls(torch_param_groups) if torch_param_groups else None
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(f"optimizer torch.optim.{cls.__name__}: {exc}") from None
+
+    # ------------------------------------------------------------ steps
+
+    def step(self, grad: torch.Tensor | None = None) -> None:
+        """One step with ``grad`` (the shard's flat gradient; default: the flat parameter's ``.grad``)."""
+        if grad is None:
+            grad = self._flat.grad
+        if grad is None:
+            return
+        for a, b in self._buffers:             # a buffer moves by the change the workers saw
+            self._flat.detach()[a:b].add_(grad[a:b])
+        if self._opt is None:
+            return
+        for a, b, view in self._segments:
+            view.grad = grad[a:b]
+        self._opt.step()
+        for _, _, view in self._segments:
+            view.grad = None
+
+    def check_hparams(self, values: Mapping[str, float]) -> None:
+        """InvalidArgument unless :meth:`set_hparams` would take every one of ``values``."""
+        for key, value in values.items():
+            self._resolve(key, value)
+
+    def set_hparams(self, values: Mapping[str, float]) -> None:
+        """Takes the user's current hyper-parameters (``"<group>.<name>"``, ``"<group>.<name>.<i>"``)."""
+        for key, value in values.items():
+            target = self._resolve(key, value)
+            if target is None:
+                continue
+            g, name, element = target
+            if element is None:
+                g[name] = float(value)
+            else:
+                old = list(g[name])
+                old[element] = float(value)
+                g[name] = tuple(old)
+
+    def _resolve(self, key: str, value: float) -> tuple[dict, str, int | None] | None:
+        """The param group, name and tuple element ``key`` sets; None for a group with nothing here."""
+        group, name, element = _parse_key(key)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"hyper-parameter {key} = {value!r} is not a finite number >= 0")
+        if not 0 <= group < self._num_user_groups():
+            raise InvalidArgument(f"hyper-parameter {key}: the optimizer has no param group {group}")
+        i = self._index.get(group)
+        if i is None or self._opt is None:
+            return None
+        g = self._opt.param_groups[i]
+        current = g.get(name)
+        if name == "params" or current is None or isinstance(current, (bool, str)):
+            raise InvalidArgument(f"hyper-parameter {key}: torch.optim.{type(self._opt).__name__} has no "
+                                  f"numeric {name!r}")
+        if element is None:
+            if isinstance(current, (tuple, list)):
+                raise InvalidArgument(f"hyper-parameter {key}: {name!r} is a tuple; name an element")
+        elif not isinstance(current, (tuple, list)) or not 0 <= element < len(current):
+            raise InvalidArgument(f"hyper-parameter {key}: {name!r} has no element {element}")
+        return g, name, element
+
+    def hparams(self) -> dict[str, float]:
+        """The numeric hyper-parameters of every group, keyed as :meth:`set_hparams` takes them."""
+        if self._opt is None:
+            return {}
+        inverse = {i: gi for gi, i in self._index.items()}
+        return numeric_hparams((inverse[i], g) for i, g in enumerate(self._opt.param_groups))
+
+    def _num_user_groups(self) -> int:
+        return len(self.spec.groups) if self.spec.torch_class else 1
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """One flat parameter's state: element-wise tensors over the whole slice (zeros where no group
+        keeps that entry), scalars (``step``) from the first segment that has them."""
+        if self._opt is None:
+            return {"state": {}, "param_groups": [{"params": [0]}]}
+        entry: dict[str, Any] = {}
+        numel = self._flat.numel()
+        for a, b, view in self._segments:
+            for key, val in self._opt.state.get(view, {}).items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    if key not in entry:
+                        entry[key] = torch.zeros(numel, dtype=torch.float32)
+                    entry[key][a:b] = val.detach().reshape(-1)
+                elif val is not None and key not in entry:
+                    entry[key] = val.clone() if isinstance(val, torch.Tensor) else val
+        return {"state": {0: entry} if entry else {}, "param_groups": [{"params": [0]}]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Takes a one-flat-parameter state (as :meth:`state_dict` gives, or a checkpoint holds); the
+        hyper-parameters stay this optimizer's own (the next push brings the user's current ones)."""
+        entries = list(dict(state_dict.get("state", {})).values())
+        if len(entries) > 1:
+            raise InvalidArgument("optimizer state must cover exactly one (flat) parameter")
+        if self._opt is None:
+            return
+        groups = list(state_dict.get("param_groups", ()))
+        if not self.spec.torch_class and len(groups) == 1:   # a registered name: its one group's flags (amsgrad)
+            for g in self._opt.param_groups:
+                g.update({k: v for k, v in groups[0].items() if k != "params" and k in g})
+        if not entries:
+            return
+        entry = entries[0]
+        numel = self._flat.numel()
+        for a, b, view in self._segments:
+            st: dict[str, Any] = {}
+            for key, val in entry.items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    if val.numel() != numel:
+                        raise InvalidArgument(f"optimizer state {key!r} has {val.numel()} elements, shard {numel}")
+                    st[key] = val.detach().reshape(-1)[a:b].to(torch.float32).clone()
+                elif isinstance(val, torch.Tensor):
+                    st[key] = val.detach().clone()
+                else:
+                    st[key] = torch.tensor(float(val), dtype=torch.float32)
+            if st:
+                self._opt.state[view] = st
+
+
+def numeric_hparams(groups) -> dict[str, float]:
+    """``{"<group>.<name>": value, "<group>.<name>.<i>": value}`` for the float hyper-parameters of
+    ``(group index, param group dict)`` pairs (what a scheduler changes); flags and ints are left out."""
+    out: dict[str, float] = {}
+    for gi, g in groups:
+        for name, value in g.items():
+            if name in ("params", "initial_lr") or isinstance(value, bool):
+                continue
+            if isinstance(value, float):
+                out[f"{gi}.{name}"] = value
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                out[f"{gi}.{name}"] = float(value)
+            elif isinstance(value, (tuple, list)) and all(isinstance(v, float) for v in value):
+                for i, v in enumerate(value):
+                    out[f"{gi}.{name}.{i}"] = v
+    return out
+
+
+def _parse_key(key: str) -> tuple[int, str, int | None]:
+    parts = key.split(".")
+    try:
+        if len(parts) == 2:
+            return int(parts[0]), parts[1], None
+        if len(parts) == 3:
+            return int(parts[0]), parts[1], int(parts[2])
+    except ValueError:
+        pass
+    raise InvalidArgument(f"hyper-parameter key {key!r} is not <group>.<name> or <group>.<name>.<index>")
+
+
+def build_optimizer(param: torch.Tensor, spec: OptimizerSpec, start: int = 0) -> ShardOptimizer:
+    """``spec`` is validated on construction, so its name is registered or a runnable torch class."""
+    return ShardOptimizer(param, spec, start)
+
+
+def group_spec(hparams: Mapping[str, Any], ranges) -> ParamGroupSpec:
+    return ParamGroupSpec(dict(hparams), tuple(ranges))
 
 
 def warm_up() -> None:
@@ -43,12 +275,7 @@ def warm_up() -> None:
     The first ``torch.optim`` construction in a process imports torch's compiler
     stack (about 1.5 s here); paying it at start-up keeps it off the first Init.
     """
-    for factory in OPTIMIZERS.values():
-        p = torch.nn.Parameter(torch.zeros(1))
-        opt = factory(p, {**_DEFAULTS_FOR_WARMUP})
-        p.grad = torch.zeros(1)
-        opt.step()
-
-
-_DEFAULTS_FOR_WARMUP = {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": 0.0,
-                        "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    for name in OPTIMIZERS:
+        p = torch.zeros(1)
+        opt = ShardOptimizer(p, OptimizerSpec(name, {}))
+        opt.step(torch.zeros(1))

@@ -1,12 +1,21 @@
 """Worker role: the library a training script uses, and the ``shoal worker`` launcher.
 
-    from shoal.worker import Trainer
-    trainer = Trainer(model, optimizer="adam", lr=1e-3)
-    for x, y in trainer.batches((X, Y), batch_size=64, epochs=5):
-        trainer.zero_grad()
-        loss_fn(model(x), y).backward()
-        trainer.step()          # push gradients, pull weights
+A plain PyTorch loop, three lines changed::
+
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)    # wraps the optimizer
+    sampler = DistributedSampler(train_set, batch_size=64, epochs=5)                     # the chief's tasks
+    loader = DataLoader(train_set, batch_size=64, sampler=sampler, num_workers=2)        # was: shuffle=True
+    for epoch in range(5):
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()          # push gradients, pull weights
+
+The lower layer, :class:`Trainer`, takes an optimizer by name and yields batches itself
+(``trainer.batches(data, batch_size, epochs)``).
 """
+from shoal.worker.optimizer import DistributedOptimizer
+from shoal.worker.sampler import DistributedSampler
 from shoal.worker.trainer import Trainer
 
-__all__ = ["Trainer"]
+__all__ = ["DistributedOptimizer", "DistributedSampler", "Trainer"]

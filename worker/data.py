@@ -50,6 +50,10 @@ class TaskFeed:
         self._space = threading.Semaphore(self._prefetch)
         self._stop = threading.Event()
         self._interrupted = threading.Event()
+        # set while the chief has no task for this worker and the job is not finished (tasks are in
+        # flight elsewhere); cleared when a task or the end arrives
+        self.starved = threading.Event()
+        self.epochs_open = 0         # data epochs the chief has started handing out (newest reply)
         self._thread = threading.Thread(target=self._run, name="task-feed", daemon=True)
         self._thread.start()
 
@@ -102,22 +106,46 @@ class TaskFeed:
                 if self._stop.is_set():
                     return
                 reply = self._request(1)
+                self.epochs_open = max(self.epochs_open, reply.data_epochs_open)
                 if reply.tasks:
+                    self.starved.clear()
                     for t in reply.tasks:
                         self._ready.put((convert.task_from_pb(t), t.token))
                     continue
                 self._space.release()
                 if reply.finished:
+                    self.starved.clear()
                     self._ready.put(_END)
                     return
+                self.starved.set()
                 self._stop.wait(self._poll_s)  # tasks are in flight elsewhere and may come back
         except Exception as exc:  # noqa: BLE001 - hand the failure to the training thread
             self._ready.put(exc)
 
-    def mark_done(self, task: Task) -> None:
+    def mark_done(self, task: Task, release: bool = True) -> None:
+        """Reports ``task`` done with the next request; ``release``: its prefetch slot too (else call
+        :meth:`release`, e.g. once a sampler has handed out its indices, before they are trained)."""
         with self._done_lock:
             self._done.append(task.task_id)
+        if release:
+            self._space.release()
+
+    def release(self) -> None:
+        """Frees one prefetch slot: the feed may fetch another task."""
         self._space.release()
+
+    def poll(self, timeout_s: float):
+        """The next ``(task, token)``, None at the end of the job's data, or ``...`` if none came in time."""
+        try:
+            item = self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            return ...
+        if item is _END:
+            self._ready.put(_END)          # the end stays the end for later calls
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def drop(self, epoch: int, start: int, stop: int, task_id: int) -> None:
         """A shard dropped this batch (a late sync gradient): hand it out again."""

@@ -121,8 +121,10 @@ class ShardClient:
         return stub.Status(pb.StatusRequest(shard=self.shard, by_shard=True), timeout=timeout_s)
 
     @_cancelled_once_closed
-    def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60) -> pb.InitReply:
-        opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams))
+    def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60,
+             flat_start: int = 0) -> pb.InitReply:
+        """``flat_start``: the shard's first element in the flat model (where the param groups fall)."""
+        opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams), spec_json=optimizer.to_json())
         raw = frames.tensor_bytes(values)
         per = max(1, self.grpc_chunk_bytes // 4)
 
@@ -131,7 +133,7 @@ class ShardClient:
             while True:
                 n = min(per, self.numel - off)
                 head = pb.InitHeader(layout_fingerprint=self.fingerprint, shard=self.shard, numel=self.numel,
-                                     offset=off, optimizer=opt)
+                                     offset=off, optimizer=opt, flat_start=flat_start)
                 yield frames.pack(head, raw[off * 4:(off + n) * 4])
                 off += n
                 if off >= self.numel:

@@ -6,6 +6,7 @@ and pulled without gathering tensors one by one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -14,7 +15,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 import torch
@@ -23,7 +24,7 @@ from shoal import convert
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
-from shoal.errors import InvalidArgument
+from shoal.errors import FailedPrecondition, InvalidArgument, Refused, Unreachable
 from shoal.jobfile import job_from_env
 from shoal.layout import ModelLayout, ShardPlan
 from shoal.members import Counters
@@ -33,6 +34,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 
+from shoal.worker.buffers import ModelBuffers
 from shoal.worker.momentum import LocalMomentum, server_optimizer
 from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
 from shoal.worker.routes import ShardRoutes, is_failover, went_back
@@ -60,6 +62,9 @@ def request_stop() -> bool:
             feed.interrupt()
             taking = True
     return taking
+
+
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -104,17 +109,24 @@ class Trainer:
     (:mod:`shoal.worker.momentum`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, chief: str | None = None, optimizer: str | None = None,
+    def __init__(self, model: torch.nn.Module, *, chief: str | None = None,
+                 optimizer: str | OptimizerSpec | None = None,
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
-                 ready_timeout_s: float = 120.0, **hparams: float):
+                 ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None,
+                 **hparams: float):
         tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
         if not self.chief_address:
             raise InvalidArgument("no chief address: pass chief=HOST:PORT or set SHOAL_CHIEF")
         self.encoder = GradientEncoder(compression or os.environ.get("SHOAL_COMPRESSION", "none"))
-        spec = self._optimizer_spec(optimizer, hparams)
+        spec = optimizer if isinstance(optimizer, OptimizerSpec) else self._optimizer_spec(optimizer, hparams)
+        # the optimizer's current hyper-parameters ("0.lr", ...), sent with every push (LR schedulers)
+        self._hparams_source = hparams_source
+        # where a step's batch comes from when the loop is the user's (a DistributedSampler)
+        self._batch_source: Callable[[], BatchContext | None] | None = None
+        self._batch_done: Callable[[BatchContext], None] | None = None
         # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
         self.optimizer = server_optimizer(spec, self.encoder.sparse) if momentum_correction else spec
         self.momentum = LocalMomentum()
@@ -122,7 +134,12 @@ class Trainer:
         self.transport = transport or os.environ.get("SHOAL_TRANSPORT", "tcp")
         if self.transport not in TRANSPORTS:
             raise InvalidArgument(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
-        self.layout = ModelLayout.from_module(model)
+        # the flat vector: the parameters, then the buffers (worker/buffers.py)
+        self.param_layout = ModelLayout.from_module(model)
+        self.buffers = ModelBuffers(model, self.param_layout.numel)
+        self.layout = ModelLayout(self.param_layout.specs + tuple(self.buffers.specs))
+        if self.buffers.ranges:
+            self.optimizer = dataclasses.replace(self.optimizer, buffers=self.buffers.ranges)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
         self._batch: BatchContext | None = None
@@ -131,13 +148,18 @@ class Trainer:
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
         self._closed = False
+        self._data_done = 0                     # batches() went through this many epochs: the job's data is done
+        if connect_timeout_s is None:
+            connect_timeout_s = float(os.environ.get("SHOAL_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT_S))
+        if not connect_timeout_s > 0:
+            raise InvalidArgument(f"connect timeout must be > 0 seconds, got {connect_timeout_s}")
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
-                                 heartbeat_extra=self._fill_heartbeat)
+                                 heartbeat_extra=self._fill_heartbeat, join_deadline_s=connect_timeout_s)
         # before joining: a metrics port in use is an error that leaves nothing behind
         self.telemetry = WorkerTelemetry.from_env(lambda: self.chief.member_id, report=self._send_metrics)
         self.clock, self._bytes_at_step = StepClock(), [0, 0]
-        self.chief.join()
+        self._join(connect_timeout_s)
         self.chief.start_background()
         view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
         self.mode = view.job.mode
@@ -153,12 +175,13 @@ class Trainer:
         self.step_count = 0
         self._step_versions = dict(self.versions)
         self._sent: dict[int, _SentPush] = {}
-        self._readiness = GradReadiness(self._params, self._grad_views, self.layout, self.plan,
+        self._readiness = GradReadiness(self._params, self._grad_views, self.param_layout, self.plan,
                                         self._launch_push) if overlap else None
         self._started = False
         self._initialise_or_pull()
         self._follow_shards()
         self.staging.before_compute()
+        self.buffers.load(self.flat_weights)       # the job's buffers, not this process's fresh ones
         self._started = True
         _LIVE.add(self)
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
@@ -187,6 +210,28 @@ class Trainer:
                 return OptimizerSpec(job.optimizer.name, {**job.optimizer.hparams, **hparams})
         return OptimizerSpec(name or "sgd", hparams)
 
+    def _join(self, timeout_s: float) -> None:
+        """Joins the chief, retrying for ``timeout_s``; a refusal or an unreachable chief is one clear error."""
+        log.info("joining the chief at %s (giving up after %.0f s)", self.chief_address, timeout_s)
+        t0 = time.monotonic()
+        try:
+            self.chief.join()
+        except Unreachable:
+            self.chief.close()
+            raise Unreachable(f"cannot reach the chief at {self.chief_address}: gave up after "
+                              f"{time.monotonic() - t0:.0f} s; is it running, and is the address right? "
+                              f"(--connect-timeout / $SHOAL_CONNECT_TIMEOUT)") from None
+        except grpc.RpcError as exc:
+            self.chief.close()
+            code, details = exc.code(), exc.details() or ""
+            if code in RETRY_CODES:
+                raise Unreachable(f"cannot reach the chief at {self.chief_address}: gave up after "
+                                  f"{time.monotonic() - t0:.0f} s ({code.name}); is it running, and is the "
+                                  f"address right? (--connect-timeout / $SHOAL_CONNECT_TIMEOUT)") from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise Refused(f"the job refused this worker: {details}") from None
+            raise
+
     @property
     def member_id(self) -> str:
         return self.chief.member_id
@@ -203,13 +248,17 @@ class Trainer:
     def _bind_flat_buffers(self) -> None:
         params = list(self.model.parameters())
         device = params[0].device if params else torch.device("cpu")
-        self.flat_weights = self.layout.flatten([p.detach() for p in params])
+        self.flat_weights = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        pn = self.param_layout.numel
+        self.param_layout.flatten([p.detach() for p in params], out=self.flat_weights[:pn])
+        self.buffers.write(self.flat_weights)
         self.flat_grads = torch.zeros_like(self.flat_weights)
-        for p, w, g in zip(params, self.layout.unflatten(self.flat_weights), self.layout.unflatten(self.flat_grads)):
+        weights, grads = self.param_layout.unflatten(self.flat_weights[:pn]), self.param_layout.unflatten(self.flat_grads[:pn])
+        for p, w, g in zip(params, weights, grads):
             p.data = w
             p.grad = g
         self._params = params
-        self._grad_views = self.layout.unflatten(self.flat_grads)
+        self._grad_views = grads
         self.device = device
 
     def _initialise_or_pull(self) -> None:
@@ -224,7 +273,7 @@ class Trainer:
             while True:                 # a server that dies meanwhile: follow the view, as the pulls do
                 client = self._clients[shard]
                 try:
-                    reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+                    reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
                     break
                 except grpc.RpcError as exc:
                     if not is_failover(exc):
@@ -290,19 +339,24 @@ class Trainer:
         t0 = time.perf_counter()
         early = self._readiness.take() if self._readiness is not None else {}
         self._gather_grads()
-        batch = self._batch
+        batch = self._current_batch()
         if batch is not None:
             samples = samples or batch.stop - batch.start
         versions = self._step_versions if early else dict(self.versions)
         futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
         by_shard = self._push_then_pull(futures, versions)
         self.staging.before_compute()
+        self.buffers.load(self.flat_weights)
         replies = list(by_shard.values())
         if batch is not None and self._feed is not None:
             if any(not r.accepted and not r.duplicate for r in replies):
                 self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
             with self._counter_lock:
                 self._progress[batch.task.task_id] = batch.stop
+        if self._batch_source is not None:
+            self._batch = None
+            if batch is not None and self._batch_done is not None:
+                self._batch_done(batch)
         self.step_count += 1
         now = time.perf_counter()
         with self._counter_lock:
@@ -348,16 +402,24 @@ class Trainer:
             return f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
         return f"{self.member_id}/step{self.step_count}"
 
+    def _current_batch(self) -> BatchContext | None:
+        """The batch this step pushes: from :meth:`batches`, or the next one a sampler recorded."""
+        if self._batch is None and self._batch_source is not None:
+            self._batch = self._batch_source()
+        return self._batch
+
     def _launch_push(self, shard: int, versions: dict[int, int] | None = None):
         """Submits shard's push for the current step to the pool (from step() or a backward hook)."""
-        batch = self._batch
+        batch = self._current_batch()
         version = (versions or self._step_versions)[shard]
         samples = batch.stop - batch.start if batch is not None else 0
+        self.buffers.fill_deltas(self.flat_grads)    # the forward passes since the last pull moved them
         ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
-        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready)
+        hparams = self._hparams_source() if self._hparams_source is not None else None   # read here: main thread
+        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready, hparams)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
-              batch: "BatchContext | None", ready=None) -> pb.PushReply:
+              batch: "BatchContext | None", ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
         a, b = self.plan.ranges[shard]
         if self.encoder.tag == "none" and not self.momentum.active(shard):
             grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory
@@ -365,12 +427,16 @@ class Trainer:
             grad = self.flat_grads[a:b]                       # compressed where it lives (GPU or CPU)
             if ready is not None:
                 torch.cuda.current_stream(grad.device).wait_event(ready)
-            grad = self.momentum.apply(shard, grad)
+            if self.momentum.active(shard):
+                grad = self.momentum.apply(shard, grad)
+                self.buffers.patch(grad, a, self.flat_grads)    # buffers' changes go as they are
             if self.encoder.tag == "none":
                 grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
-        sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples,
-                         batch.header_fields() if batch is not None else {})
+        extra = batch.header_fields() if batch is not None else {}
+        if hparams:
+            extra["hparams"] = hparams
+        sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples, extra)
         self._sent[shard] = sent
         return self._send(shard, sent)
 
@@ -415,7 +481,7 @@ class Trainer:
         self._held.pop(shard, None)
         self.momentum.reset(shard)
         if is_uninitialised(exc):
-            client.init(self.flat_weights[a:b].cpu(), self.optimizer)
+            client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
         self.versions[shard] = self._step_versions[shard] = version
         return version
@@ -455,6 +521,7 @@ class Trainer:
         """Refreshes the local weights from every shard (e.g. before evaluating)."""
         list(self._pool.map(self._pull_shard, self._clients))
         self.staging.before_compute()
+        self.buffers.load(self.flat_weights)
 
     # ------------------------------------------------------------ data
 
@@ -464,7 +531,14 @@ class Trainer:
 
         Call :meth:`step` once per batch. ``data`` is a tuple of tensors or a map-style dataset.
         ``batch_size`` and ``epochs`` default to the job file's ``train`` section (epochs: 1 without).
+        One call goes through all ``epochs``: a second call after the job's data is done is an error
+        (inside your own epoch loop, use :class:`shoal.worker.DistributedSampler` instead).
         """
+        if self._data_done:
+            raise FailedPrecondition(
+                f"batches() already went through the job's data ({self._data_done} epoch(s)); it is one "
+                f"iterator over all epochs: pass epochs=N to a single call, or keep your own epoch loop "
+                f"with shoal.worker.DistributedSampler")
         train = self.job_section("train")
         batch_size = batch_size if batch_size is not None else train.get("batch_size")
         if batch_size is None:
@@ -482,16 +556,35 @@ class Trainer:
                     self._batch = BatchContext(task, token, start, stop)
                     yield batch
                 self._batch = None
-                with self._counter_lock:
-                    self._progress.pop(task.task_id, None)
+                self._task_finished(task)
                 feed.mark_done(task)
             if _STOP_REQUESTED.is_set():
                 self._hand_back(feed)
             feed.flush()
+            self._data_done = epochs
         finally:
             self._batch = None
             feed.close()
             self._feed = None
+
+    def skip_batch(self) -> None:
+        """The loop skipped this batch's step (an inf/nan gradient under a GradScaler): nothing is pushed,
+        and the batch goes back to the chief, so the ledger still gets every batch once."""
+        if self._batch_source is None:
+            return
+        batch = self._current_batch()
+        if batch is None or self._feed is None:
+            return
+        log.info("step skipped (inf/nan gradients): batch %d/%d goes back to the chief", batch.task.epoch,
+                 batch.start)
+        self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
+        self._batch = None
+        if self._batch_done is not None:
+            self._batch_done(batch)
+
+    def _task_finished(self, task: Task) -> None:
+        with self._counter_lock:
+            self._progress.pop(task.task_id, None)
 
     # ------------------------------------------------------------ reporting
 
@@ -546,6 +639,13 @@ class Trainer:
         self._closed = True
         _LIVE.discard(self)
         self.telemetry.close()
+        feed, self._feed = self._feed, None
+        if feed is not None:            # a sampler's: report the tasks it finished before leaving
+            try:
+                feed.flush()
+            except grpc.RpcError as exc:
+                log.warning("could not report finished tasks to the chief: %s", exc.details())
+            feed.close()
         self.chief.leave()
         self._pool.shutdown(wait=False)
         self.routes.close()

@@ -19,7 +19,8 @@ from shoal.cli.sources import add_commands as add_source_commands, apply_sources
 from shoal.jobfile import load_job
 from shoal.memory import tune_malloc
 from shoal.cli import observe, security
-from shoal.errors import EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, ShoalError, Unavailable
+from shoal.errors import (EXIT_REFUSED, EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, Refused,
+                          ShoalError, Unavailable, Unreachable)
 
 log = logging.getLogger("shoal")
 
@@ -168,6 +169,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.transport:
         os.environ["SHOAL_TRANSPORT"] = args.transport
     os.environ.update(observe.worker_env(args))
+    if args.connect_timeout is not None:
+        if not args.connect_timeout > 0:
+            raise InvalidArgument(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout:g}")
+        os.environ["SHOAL_CONNECT_TIMEOUT"] = str(args.connect_timeout)
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
@@ -185,7 +190,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     sys.argv = [str(script), *args.script_args]
     sys.path.insert(0, str(script.resolve().parent))
-    runpy.run_path(str(script), run_name="__main__")
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except (Refused, Unreachable) as exc:          # one line, and a code that says whether to restart
+        print(f"shoal worker: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED if isinstance(exc, Refused) else EXIT_UNREACHABLE
     return 0
 
 
@@ -322,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "worker":
             p.add_argument("--chief", default=os.environ.get("SHOAL_CHIEF"), help=_CHIEF_HELP)
             p.add_argument("--config", help=_CONFIG_HELP)
+            p.add_argument("--connect-timeout", type=float, default=None,
+                           help="seconds to keep trying to join the chief before exiting with status 69 "
+                                "(default: $SHOAL_CONNECT_TIMEOUT or 30)")
         else:
             p.add_argument("--ps", type=int, default=2, help="parameter servers (= shards)")
             p.add_argument("--workers", type=int, default=2)

@@ -12,7 +12,7 @@ import yaml
 from localrun import DIGITS, ROOT, SHOAL, alive
 
 import netns
-from harness import wait_until
+
 from shoal.cli.status import exactly_once
 
 pytestmark = pytest.mark.system

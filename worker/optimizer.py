@@ -1,0 +1,190 @@
+"""The user's own ``torch.optim`` optimizer, run on the parameter servers.
+
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+
+returns an object of the user's optimizer class (so ``isinstance`` checks and
+``torch.optim.lr_scheduler`` keep working) whose ``step()`` pushes the gradients
+and pulls the new weights. The optimizer's class, param groups and
+hyper-parameters become the shards' :class:`shoal.config.OptimizerSpec`: a single
+group of ``SGD``/``Adam``/``AdamW`` with plain flags maps to the registered name
+(so momentum correction with top-k keeps working), anything else is sent as the
+class name with each group's hyper-parameters and the flat ranges its
+parameters cover. Each push carries the groups' current float
+hyper-parameters (``lr``, ``momentum``, ``betas``, ...), so a scheduler stepping
+this optimizer changes the servers' learning rate from the next step on.
+
+``state_dict()`` / ``load_state_dict()`` are torch's: the param groups (the
+hyper-parameters a scheduler set) round-trip; the optimizer's moments live on
+the parameter servers and are saved by the job's checkpoints (``--checkpoint-dir``).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any
+
+import torch
+
+from shoal.config import UNSUPPORTED_TORCH_OPTIMIZERS, OptimizerSpec, ParamGroupSpec
+from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.layout import ModelLayout
+from shoal.optim import OPTIMIZERS, numeric_hparams
+from shoal.worker.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+# flags that change how fast torch runs, not what it computes
+_SPEED_FLAGS = {"params", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
+_REGISTERED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+_active: list["Trainer"] = []      # the trainer of this process's DistributedOptimizer (for samplers)
+
+
+def active_trainer() -> Trainer | None:
+    """The :class:`Trainer` a :func:`DistributedOptimizer` of this process started, if any."""
+    return _active[-1] if _active else None
+
+
+def spec_from_torch(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> OptimizerSpec:
+    """The :class:`OptimizerSpec` that runs ``optimizer`` (class, groups, hyper-parameters) on the shards."""
+    cls = type(optimizer)
+    if cls.__name__ in UNSUPPORTED_TORCH_OPTIMIZERS:
+        raise InvalidArgument(f"optimizer torch.optim.{cls.__name__} cannot run on the parameter servers: "
+                              f"{UNSUPPORTED_TORCH_OPTIMIZERS[cls.__name__]}")
+    layout = ModelLayout.from_module(model)
+    where = {id(p): (off, p.numel()) for (_, p), off in zip(model.named_parameters(), layout.offsets)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        ranges = []
+        for p in group["params"]:
+            if id(p) not in where:
+                raise InvalidArgument(f"param group {gi} of torch.optim.{type(optimizer).__name__} holds a "
+                                      f"tensor {list(p.shape)} that is not a parameter of the model")
+            off, n = where[id(p)]
+            if n:
+                ranges.append((off, off + n))
+        hparams = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+        groups.append((hparams, sorted(ranges), {names[id(p)] for p in group["params"]}))
+    legacy = _registered(cls, groups, len(names))
+    if legacy is not None:
+        return legacy
+    if cls.__module__.split(".")[:2] != ["torch", "optim"] or getattr(torch.optim, cls.__name__, None) is not cls:
+        raise InvalidArgument(f"optimizer {cls.__module__}.{cls.__name__} cannot run on the parameter servers: "
+                              f"they build torch.optim classes by name")
+    return OptimizerSpec(cls.__name__, {}, tuple(ParamGroupSpec(h, tuple(r)) for h, r, _ in groups))
+
+
+def _registered(cls: type, groups: list, num_params: int) -> OptimizerSpec | None:
+    """The registered name for one group of SGD/Adam/AdamW over the whole model with plain flags."""
+    name = _REGISTERED.get(cls)
+    if name is None or len(groups) != 1 or len(groups[0][2]) != num_params:
+        return None
+    h = groups[0][0]
+    try:
+        if name == "sgd":
+            spec = OptimizerSpec(name, {"lr": h["lr"], "momentum": h["momentum"], "dampening": h["dampening"],
+                                        "weight_decay": h["weight_decay"], "nesterov": float(h["nesterov"])})
+        else:
+            b1, b2 = h["betas"]
+            spec = OptimizerSpec(name, {"lr": h["lr"], "beta1": b1, "beta2": b2, "eps": h["eps"],
+                                        "weight_decay": h["weight_decay"]})
+    except (KeyError, TypeError, ValueError, InvalidArgument):
+        return None
+    probe_cls, kwargs = OPTIMIZERS[name](dict(spec.hparams))
+    probe = probe_cls([torch.zeros(1, requires_grad=True)], **kwargs).param_groups[0]
+    same = all(probe.get(k) == v or (isinstance(v, (tuple, list)) and tuple(v) == tuple(probe.get(k, ())))
+               for k, v in h.items() if k not in _SPEED_FLAGS)
+    return spec if same else None
+
+
+class _Distributed:
+    """Mixed in before the user's optimizer class: ``step`` and ``zero_grad`` go through the trainer."""
+
+    _shoal: Trainer
+
+    def step(self, closure: Any = None) -> Any:
+        """Pushes this step's gradients (with the groups' current hyper-parameters) and pulls the weights."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        passes = max(self._shoal_passes.values(), default=0)
+        self._shoal_passes.clear()
+        if passes > 1 and self._shoal._batch_source is not None:
+            raise FailedPrecondition(
+                f"step() after {passes} backward passes: gradient accumulation over micro-batches is not "
+                f"supported with DistributedSampler yet (each push names one batch for the exactly-once "
+                f"ledger); call step() after every backward(), or use a larger batch_size")
+        self._shoal.step()
+        self._shoal_stepped = True
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients. Gradients left from a backward() that no step() followed mean the
+        step was skipped (a GradScaler found inf/nan): nothing was pushed, and its batch goes back
+        to the chief to be trained again."""
+        if not getattr(self, "_shoal_stepped", True) and any(
+                p.grad is not None for g in self.param_groups for p in g["params"]):
+            self._shoal.skip_batch()
+        self._shoal_stepped = False
+        self._shoal_passes.clear()
+        self._shoal.zero_grad()
+
+    @property
+    def trainer(self) -> Trainer:
+        """The :class:`Trainer` underneath (``pull()``, ``report()``, ``close()``, ``member_id``)."""
+        return self._shoal
+
+    def report(self, **values: float) -> None:
+        """Publishes job-level metrics (e.g. ``test_accuracy``) to the chief."""
+        self._shoal.report(**values)
+
+    def synchronize(self) -> None:
+        """Pulls the newest weights (and buffers) from the job, e.g. before a final evaluation."""
+        self._shoal.pull()
+
+    def close(self) -> None:
+        """Leaves the job (also done at exit)."""
+        trainer = self._shoal
+        if trainer in _active:
+            _active.remove(trainer)
+            trainer.close()
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, **trainer_options: Any):
+    """Wraps the user's optimizer: same class, param groups and hyper-parameters, run on the shards.
+
+    ``trainer_options`` go to :class:`Trainer` (``chief``, ``compression``, ``transport``, ...);
+    ``overlap`` is off unless asked for, so gradients are pushed as the loop leaves them at ``step()``.
+    The object returned shares the user's ``param_groups`` and ``state``: a scheduler made on either
+    steers the servers.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgument(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _Distributed):
+        raise InvalidArgument("this optimizer is already a DistributedOptimizer")
+    spec = spec_from_torch(optimizer, model)
+    # pushes start at step(), after whatever the loop does to the gradients (clipping, a GradScaler's
+    # unscale_); overlap=True starts each shard's push during backward() instead, for speed
+    trainer_options.setdefault("overlap", False)
+    base = type(optimizer)
+    cls = type(base.__name__, (_Distributed, base), {"__module__": __name__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)        # the same param_groups, state and defaults objects
+    trainer = Trainer(model, optimizer=spec, hparams_source=lambda: numeric_hparams(
+        enumerate(wrapped.param_groups)), **trainer_options)
+    wrapped._shoal = trainer
+    wrapped._shoal_passes = passes = {}            # backward passes per parameter since the last step
+
+    def count(p: torch.Tensor) -> None:
+        passes[id(p)] = passes.get(id(p), 0) + 1
+
+    for group in wrapped.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(count)
+    _active.append(trainer)
+    atexit.register(wrapped.close)
+    log.debug("optimizer %s runs on the parameter servers as %s", base.__name__, spec.name)
+    return wrapped

@@ -1,0 +1,196 @@
+"""A ``torch.utils.data.Sampler`` that hands the user's DataLoader the samples of the chief's tasks.
+
+    sampler = DistributedSampler(train_set, batch_size=32, epochs=10, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=32, sampler=sampler, num_workers=2)
+    for epoch in range(10):
+        sampler.set_epoch(epoch)        # optional: each iteration is the next epoch
+        for x, y in loader: ...
+
+Each iteration of the sampler is one epoch of the job: it yields, batch by
+batch, the sample indices of the data tasks the chief hands this worker for
+that epoch (a task is a range of positions in the epoch; with ``shuffle`` the
+positions go through the epoch's own seeded permutation of the samples, the
+same on every worker, so each epoch visits every sample once in a fresh order).
+The iteration ends when the chief starts handing out the next epoch, or when
+the job's data is done; an epoch with nothing left for this worker is an empty
+iteration.
+
+The exactly-once ledger needs to know which batch each push trains on, while
+the DataLoader asks for indices ahead of training (``num_workers``,
+``prefetch_factor``). So the sampler records each batch it hands out, in order,
+and every ``optimizer.step()`` takes the oldest record: the DataLoader keeps
+batches in sampler order, so the step trains exactly that batch. The sampler's
+``batch_size`` must therefore equal the DataLoader's (a step whose batch does
+not match is the DataLoader's ``drop_last`` or a loop that skips steps: the
+sampler then hands the batches it cannot account for back to the chief). A
+task's last partial batch is handed out last in its iteration, so the
+DataLoader's grouping of indices into batches stays aligned with the tasks.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+from shoal.dataset import DatasetSpec, Task
+from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.worker.data import TaskFeed
+from shoal.worker.optimizer import active_trainer
+from shoal.worker.trainer import BatchContext, Trainer
+
+log = logging.getLogger(__name__)
+
+_WAIT_S = 0.05
+
+
+class DistributedSampler(Sampler[int]):
+    """Sample indices of the tasks the chief assigns this worker, one epoch per iteration."""
+
+    def __init__(self, dataset: Sized, *, batch_size: int, epochs: int, shuffle: bool = True, seed: int = 0,
+                 batches_per_task: int = 4, prefetch: int = 2, trainer: Trainer | None = None):
+        self.size = len(dataset)
+        self.spec = DatasetSpec(self.size, batch_size, epochs, batches_per_task, seed)
+        self.batch_size, self.epochs, self.shuffle, self.seed = batch_size, epochs, shuffle, seed
+        self.prefetch = prefetch
+        self._trainer = trainer
+        self._feed: TaskFeed | None = None
+        self._epoch: int | None = None          # set_epoch's, for the next iteration
+        self._next = 0                          # the epoch of the next iteration without set_epoch
+        self._records: collections.deque[BatchContext] = collections.deque()
+        self._later: collections.deque[tuple[Task, bytes]] = collections.deque()   # for a later epoch
+        self._remaining: dict[int, int] = {}    # task id -> batches handed out, not yet stepped
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration trains (as torch's DistributedSampler)."""
+        if not 0 <= epoch < self.epochs:
+            raise InvalidArgument(f"set_epoch({epoch}): the job trains epochs 0..{self.epochs - 1} "
+                                  f"(DistributedSampler(epochs={self.epochs}))")
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        """The samples of a whole epoch: an upper bound on this worker's share of it."""
+        return self.size
+
+    # ------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self._epoch if self._epoch is not None else self._next
+        self._epoch = None
+        if epoch >= self.epochs:
+            raise InvalidArgument(f"the sampler was iterated for epoch {epoch}, but the job trains "
+                                  f"{self.epochs} epoch(s) (DistributedSampler(epochs={self.epochs}))")
+        self._next = epoch + 1
+        feed = self._attach()
+        self._settle_unstepped()
+        partial: list[tuple[Task, bytes]] = []
+        while True:
+            item = self._take(epoch, feed, holding=bool(partial))
+            if item is None:
+                break
+            task, token = item
+            if (task.stop - task.start) % self.batch_size and len(partial) == 0:
+                partial.append(item)             # its short batch goes last: DataLoader batches stay aligned
+                continue
+            if (task.stop - task.start) % self.batch_size:
+                self._later.append(item)         # a second short batch waits for the next iteration
+                continue
+            yield from self._hand_out(task, token, feed)
+        for task, token in partial:
+            yield from self._hand_out(task, token, feed)
+
+    def _take(self, epoch: int, feed: TaskFeed, holding: bool) -> tuple[Task, bytes] | None:
+        """The next task of ``epoch`` (or an earlier one) for this worker; None when the epoch is over here.
+
+        ``holding``: a task is held back to go last (its short batch)."""
+        if self._later and self._later[0][0].epoch <= epoch:
+            return self._later.popleft()
+        if self._later:
+            return None
+        while True:
+            item = feed.poll(_WAIT_S)
+            if item is None:
+                return None
+            if item is ...:
+                # tasks are in flight elsewhere: wait for one to come back, unless this worker's own
+                # work would wait with it (batches the DataLoader may hold until this iteration ends,
+                # or the task held back to go last): the job cannot finish before they are trained
+                # An epoch the chief has moved past has nothing left to hand out: over here.
+                if feed.starved.is_set() and (self._records or holding or feed.epochs_open > epoch + 1):
+                    return None
+                continue
+            if item[0].epoch > epoch:
+                self._later.append(item)
+                return None
+            return item
+
+    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed) -> Iterator[int]:
+        order = self._permutation(task.epoch)
+        n = 0
+        for start in range(task.start, task.stop, self.batch_size):
+            stop = min(task.stop, start + self.batch_size)
+            self._records.append(BatchContext(task, token, start, stop))
+            n += 1
+        self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + n
+        feed.release()                           # the feed may fetch the next task meanwhile
+        yield from order[task.start:task.stop].tolist()
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                perm = torch.randperm(self.size, generator=g)
+            else:
+                perm = torch.arange(self.size)
+            self._perms = {epoch: perm}          # one epoch at a time is all a worker trains
+        return perm
+
+    # ------------------------------------------------------------ the trainer's side
+
+    def _attach(self) -> TaskFeed:
+        if self._feed is not None:
+            return self._feed
+        trainer = self._trainer or active_trainer()
+        if trainer is None:
+            raise FailedPrecondition("DistributedSampler: wrap the optimizer with shoal.worker.DistributedOptimizer "
+                                     "(or pass trainer=) before iterating the DataLoader")
+        if trainer._feed is not None:
+            raise FailedPrecondition("this worker already takes data from another sampler or Trainer.batches()")
+        self._trainer = trainer
+        feed = TaskFeed(trainer.chief.stub, lambda: trainer.member_id, self.spec, self.prefetch,
+                        rejoin=trainer.chief.join)
+        # TaskFeed takes a slot per task until it is released: here, once its indices are handed out
+        trainer._feed = feed
+        trainer._batch_source = self._next_batch
+        trainer._batch_done = self._stepped
+        self._feed = feed
+        return feed
+
+    def _next_batch(self) -> BatchContext | None:
+        return self._records.popleft() if self._records else None
+
+    def _stepped(self, batch: BatchContext) -> None:
+        """``optimizer.step()`` pushed ``batch``: a task whose batches are all pushed is done."""
+        left = self._remaining.get(batch.task.task_id, 0) - 1
+        if left > 0:
+            self._remaining[batch.task.task_id] = left
+            return
+        self._remaining.pop(batch.task.task_id, None)
+        self._trainer._task_finished(batch.task)
+        self._feed.mark_done(batch.task, release=False)
+
+    def _settle_unstepped(self) -> None:
+        """Batches handed out in an earlier iteration but never stepped (``drop_last``, a ``break``)
+        go back to the chief, to be trained by whoever takes them next."""
+        if not self._records:
+            return
+        log.info("%d batch(es) handed to the DataLoader were not trained (drop_last or a loop that stopped "
+                 "early); handing them back to the chief", len(self._records))
+        while self._records:
+            b = self._records.popleft()
+            self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
+            self._stepped(b)
