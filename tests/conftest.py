@@ -1,6 +1,7 @@
 """Shared fixtures: a fake clock, an in-process cluster on ephemeral ports, thread-leak checks."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -18,6 +19,16 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Commands run in-process (``cli.main(["worker", ...])``) hand settings to the script through
+    ``os.environ``; each test starts from the environment the session started with."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture
