@@ -29,7 +29,9 @@ def secure():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     trainer = Trainer(model, chief=c.chief_address, optimizer="adam", lr=0.02)
-    wait_until(lambda: all(r.backup_id for r in trainer.chief.view.shards), what="backups in the view")
+    # every backup complete, so the view epoch stays put unless a test's call changes it
+    wait_until(lambda: all(r.backup_id and r.backup_complete for r in trainer.chief.view.shards),
+               what="complete backups in the view")
     yield c, trainer, model
     trainer.close()
     c.stop()
