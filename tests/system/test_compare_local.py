@@ -13,7 +13,8 @@ pytestmark = pytest.mark.system
 def test_compare_two_modes_under_a_budget(tmp_path):
     out = tmp_path / "cmp"
     r = subprocess.run([*SHOAL, "compare", "--modes", "sync", "async", "--ps", "1", "--workers", "2",
-                        "--budget", "4s", "--out", str(out), DIGITS], capture_output=True, text=True, timeout=240,
+                        "--budget", "4s", "--out", str(out), DIGITS,
+                        "--step-delay", "0.02"], capture_output=True, text=True, timeout=240,
                        cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
