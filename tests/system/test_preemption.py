@@ -28,8 +28,10 @@ def test_sigterm_on_a_worker_hands_back_its_task_and_exits_0(tmp_path):
     # a long lease: the job can only go on quickly if the worker really left instead of going silent
     with InProcessCluster(2, JobConfig(num_shards=2, mode="async", lease_seconds=60)) as c:
         logs = {n: open(tmp_path / f"{n}.log", "w+") for n in ("a", "b")}
+        # the same pace for both: a worker that is twice as fast could take nearly every task before the
+        # other logs its 50th step (seen on a loaded 2-core CI machine)
         a = _worker(c.chief_address, logs["a"], "--step-delay", "0.05")
-        b = _worker(c.chief_address, logs["b"])
+        b = _worker(c.chief_address, logs["b"], "--step-delay", "0.05")
         try:
             wait_until(lambda: "step 50 " in (tmp_path / "a.log").read_text(), timeout_s=90,
                        what="the worker to be 50 steps into training")
