@@ -67,11 +67,12 @@ def test_interrupted_job_resumes_on_three_ps_and_exports(tmp_path):
 
     out = tmp_path / "model.pt"
     r = subprocess.run([*SHOAL, "export", str(ckpts), str(out)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.strip() == f"wrote {out}", r.stderr
+    exported = load_latest(ckpts)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"wrote {out}: step {exported.step} from {exported.path}", r.stdout
     digits = digits_module()
     model = digits.build_model(256)
     model.load_state_dict(torch.load(out), strict=True)
-    exported = load_latest(ckpts)
     if exported.step == max(summary["shard_versions"].values()):   # the final checkpoint made it before the stop
         (_, _), (xte, yte) = digits.load(0)
         assert digits.accuracy(model, xte, yte) >= 0.95
