@@ -39,7 +39,7 @@ def longest_stall(tmp_path, start: float, stop: float) -> float:
     return max(b - a for a, b in zip(inside, inside[1:]))
 
 
-def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing_and_stalls_two_leases(tmp_path):
+def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing_and_stalls_a_few_leases(tmp_path):
     """Sync (the strictest: every round needs both shards); async runs in bench/pauses.py."""
     proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "sync", "--lease-seconds", "1.5",
                        script_args=("--epochs", "3", "--step-log", str(tmp_path / "steps-{pid}.txt")))
@@ -55,7 +55,10 @@ def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing_and_sta
     assert "promoted to primary" in text
     stall = longest_stall(tmp_path, t0, t0 + 8.0)
     print(f"longest stall of training during an 8 s pause of a primary: {stall:.2f}s (lease 1.5 s)")
-    assert stall < 2 * 1.5 + 0.5                      # about two leases, not the whole pause
+    # the lease to expire the primary (and up to a heartbeat), then a lease for the worker to close its client
+    # to the old primary (worker/routes.py _retire), then the reroute: about two leases and a half, not the
+    # whole pause (3.8 s on a 2-core CI machine; the bound leaves room for a loaded one)
+    assert stall < 3 * 1.5
     assert summary["tasks_done"] == summary["tasks_total"] > 0
     assert summary["lost_shards"] == [], summary
     assert summary["exactly_once"], summary["ledger"]        # no acknowledged batch lost, none applied twice
