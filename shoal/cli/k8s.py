@@ -29,6 +29,7 @@ STATE = "/var/lib/shoal"
 TFJOB_PORT = 2222            # the port the TFJob operator puts in TF_CONFIG (tfjob-port)
 GRACE_S = 30                 # SIGTERM, then this long before SIGKILL: a worker hands back its task
 DESIRED_METRIC = "shoal_autoscale_desired_workers"
+METRICS_PORT = 9400          # every pod's /metrics, announced to Prometheus by the prometheus.io annotations
 
 
 def _meta(job: JobFile, suffix: str = "", role: str = "") -> dict[str, Any]:
@@ -72,10 +73,12 @@ def _container(job: JobFile, role: str, args: list[str], port: int | None, state
                name: str = "shoal") -> tuple[dict[str, Any], list[dict]]:
     mounts, volumes = _volumes(job, state)
     c: dict[str, Any] = {"name": name, "image": job.get("image", "shoal:latest"), "command": ["shoal"],
-                         "args": args, "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
-                         "volumeMounts": mounts}
+                         "args": args, "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
+                                               {"name": "SHOAL_METRICS_PORT", "value": str(METRICS_PORT)},
+                                               {"name": "SHOAL_METRICS_HOST", "value": "0.0.0.0"}],
+                         "volumeMounts": mounts, "ports": [{"name": "metrics", "containerPort": METRICS_PORT}]}
     if port is not None:
-        c["ports"] = [{"name": "grpc", "containerPort": port}]
+        c["ports"].insert(0, {"name": "grpc", "containerPort": port})
         c.update(_probes(port))
     res = _resources(job, role)
     if res:
@@ -84,7 +87,9 @@ def _container(job: JobFile, role: str, args: list[str], port: int | None, state
 
 
 def _pod(job: JobFile, role: str, container: dict, volumes: list[dict], **spec: Any) -> dict[str, Any]:
-    return {"metadata": {"labels": {**_meta(job, role=role)["labels"]}},
+    return {"metadata": {"labels": {**_meta(job, role=role)["labels"]},
+                         "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                                         "prometheus.io/path": "/metrics"}},
             "spec": {"terminationGracePeriodSeconds": GRACE_S, "securityContext": {"fsGroup": 10001},
                      "containers": [container], "volumes": volumes,
                      **spec}}
@@ -179,7 +184,8 @@ def tfjob(job: JobFile) -> list[dict[str, Any]]:
             c["env"].append({"name": "SHOAL_JOURNAL", "value": f"{STATE}/chief.db"})
             if job.get("checkpointing.dir") or job.get("checkpointing.interval"):
                 c["env"].append({"name": "SHOAL_CHECKPOINT_DIR", "value": f"{STATE}/checkpoints"})
-        c["ports"] = [{"name": "tfjob-port", "containerPort": TFJOB_PORT}]
+        c["ports"] = [{"name": "tfjob-port", "containerPort": TFJOB_PORT},
+                      {"name": "metrics", "containerPort": METRICS_PORT}]
         if state:
             c.update(_probes(TFJOB_PORT))
         return {"replicas": count, "restartPolicy": "OnFailure", "template": _pod(job, role, c, v)}

@@ -78,6 +78,15 @@ def test_every_native_manifest_validates(job):
     _parses(container["args"])
     worker = by_name[("Deployment", "digits-worker")]["spec"]
     _parses(worker["template"]["spec"]["containers"][0]["args"])
+    # every pod serves /metrics on one port and says so to Prometheus' kubernetes_sd
+    for kind, name in (("Deployment", "digits-chief"), ("StatefulSet", "digits-ps"), ("Deployment", "digits-worker")):
+        pod = by_name[(kind, name)]["spec"]["template"]
+        assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        port = int(pod["metadata"]["annotations"]["prometheus.io/port"])
+        c = pod["spec"]["containers"][0]
+        assert {"name": "metrics", "containerPort": port} in c["ports"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["SHOAL_METRICS_PORT"] == str(port) and env["SHOAL_METRICS_HOST"] == "0.0.0.0"
     hpa = by_name[("HorizontalPodAutoscaler", "digits-worker")]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
     assert hpa["metrics"][0]["external"]["metric"]["name"] == "shoal_autoscale_desired_workers"
