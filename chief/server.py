@@ -108,8 +108,12 @@ class ChiefServer:
         if metrics_port is not None:
             self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind))
             self.metrics_endpoint.announce("chief", "chief")
+        def desired_workers() -> int | None:
+            scaler = self.servicer.autoscaler
+            return scaler.desired if scaler is not None else None
+
         self.telemetry = ChiefWatch(self.state, self.servicer.lock, tensorboard=tensorboard, report=report,
-                                    pauses=pauses).start()
+                                    pauses=pauses, desired_workers=desired_workers).start()
         return self
 
     def _tick_loop(self) -> None:

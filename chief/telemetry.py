@@ -5,7 +5,8 @@ a second, never from an RPC: live workers and servers, queue depth, task and epo
 progress, the view epoch; it reads each primary's shard version over gRPC every few
 seconds. :class:`JobEvents` (pure) turns consecutive snapshots into the events
 worth marking: view changes, failovers (a shard's primary moved), lease
-expirations, checkpoints, workers falling behind. Prometheus gauges are read from
+expirations, checkpoints, workers falling behind; :class:`RefusedPushes` marks a shard that
+starts refusing a worker's NaN/Inf pushes. Prometheus gauges are read from
 the latest snapshot when scraped.
 """
 from __future__ import annotations
@@ -73,7 +74,7 @@ def snapshot(state, wall: float) -> Snapshot:
 
 @dataclass(frozen=True)
 class Event:
-    kind: str          # view_change, failover, lease_expired, checkpoint, worker_behind
+    kind: str          # view_change, failover, lease_expired, checkpoint, worker_behind, pushes_refused
     text: str
     value: float = 0.0
     member: str = ""
@@ -107,12 +108,43 @@ class JobEvents:
         return out
 
 
+class RefusedPushes:
+    """Pure: an alert when a shard starts refusing a worker's pushes (NaN/Inf, ``--nonfinite``).
+
+    Fed each primary's per-worker refusal counts every few seconds; one event when a count
+    rises after a reading where it did not (re-armed by a quiet reading), so a worker whose
+    every push is refused is one alert, not one per push."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, str], int] = {}
+        self._rising: set[tuple[int, str]] = set()
+
+    def observe(self, refused: dict[int, dict[str, int]], versions: dict[int, int]) -> list[Event]:
+        out: list[Event] = []
+        for shard, by_worker in sorted(refused.items()):
+            for worker, count in sorted(by_worker.items()):
+                key = (shard, worker)
+                before = self._last.get(key, 0)
+                self._last[key] = count          # lower: a promoted backup counts from 0 again
+                if count <= before:
+                    self._rising.discard(key)
+                    continue
+                if key not in self._rising:
+                    self._rising.add(key)
+                    out.append(Event("pushes_refused",
+                                     f"shard {shard} refuses pushes from {worker} holding NaN/Inf "
+                                     f"({count} so far, at version {versions.get(shard, 0)})",
+                                     versions.get(shard, 0), worker))
+        return out
+
+
 class ChiefWatch:
     """The watcher thread: snapshots -> TensorBoard, Prometheus, alerts in the job metrics."""
 
     def __init__(self, state, lock, *, tensorboard: str = "", interval_s: float = 1.0,
                  versions_every_s: float = 3.0, report: Callable[[str, dict], None] | None = None,
-                 pauses: Callable[[], list[float]] | None = None):
+                 pauses: Callable[[], list[float]] | None = None,
+                 desired_workers: Callable[[], int | None] | None = None):
         self.state = state
         self.lock = lock
         self.tensorboard = tensorboard
@@ -121,8 +153,10 @@ class ChiefWatch:
         self.events = JobEvents()
         self.latest: Snapshot | None = None
         self.versions: dict[int, int] = {}
+        self.refused = RefusedPushes()
         self._report = report
         self._pauses = pauses
+        self._desired_workers = desired_workers      # the autoscaler's count (None: no autoscaling)
         self._writer = None
         self._polls = 0
         self._versions_at = 0.0
@@ -148,8 +182,10 @@ class ChiefWatch:
         now = time.monotonic()
         if now - self._versions_at >= self.versions_every_s:
             self._versions_at = now
-            self.versions = read_versions(s.addresses)
-        events = self.events.observe(s)
+            self.versions, refused = read_shards(s.addresses)
+        else:
+            refused = {}
+        events = self.events.observe(s) + self.refused.observe(refused, self.versions)
         for e in events:
             self._count(e)
         self._write(s, events)
@@ -163,13 +199,13 @@ class ChiefWatch:
         elif e.kind == "lease_expired":
             role = e.text.split(" ", 1)[0]
             metrics.LEASE_EXPIRATIONS.labels(role).inc()
-        elif e.kind == "worker_behind":
-            metrics.ALERTS.labels("worker_behind").inc()
+        elif e.kind in ("worker_behind", "pushes_refused"):
+            metrics.ALERTS.labels(e.kind).inc()
             log.warning("alert: %s", e.text)
             if self._report is not None:
                 from shoal.alerts import Alert
 
-                key = metric_key(Alert("worker_behind", e.member, int(e.value), 0.0))
+                key = metric_key(Alert(e.kind, e.member, int(e.value), 0.0))
                 self._report(e.member, {key: e.value})
         if e.kind in ("failover", "lease_expired"):
             log.info("%s", e.text)
@@ -208,7 +244,7 @@ class ChiefWatch:
                 w.add_scalar("events/checkpoint_step", e.value, step, walltime=t)
                 if self._pauses is not None and self._pauses():
                     w.add_scalar("events/checkpoint_held_ms", self._pauses()[-1] * 1e3, step, walltime=t)
-            elif e.kind in ("failover", "lease_expired", "worker_behind"):
+            elif e.kind in ("failover", "lease_expired", "worker_behind", "pushes_refused"):
                 w.add_scalar(f"events/{e.kind}", 1.0, step, walltime=t)
             if e.kind != "view_change":
                 w.add_text("events", e.text, step, walltime=t)
@@ -228,6 +264,10 @@ class ChiefWatch:
                             values=s.checkpoint_step)
         yield metrics.gauge("shoal_shard_version", "Version (updates applied) of each shard's primary",
                             ["shard"], [([str(k)], v) for k, v in sorted(self.versions.items())])
+        desired = self._desired_workers() if self._desired_workers is not None else None
+        if desired is not None:      # what a HorizontalPodAutoscaler follows (shoal k8s)
+            yield metrics.gauge("shoal_autoscale_desired_workers",
+                                "Workers the job file's autoscaling policy asks for now", values=desired)
 
     def stop(self) -> None:
         self._stop.set()
@@ -238,16 +278,19 @@ class ChiefWatch:
             self._writer.close()
 
 
-def read_versions(addresses: dict[int, str], timeout_s: float = 1.0) -> dict[int, int]:
-    """Each shard's version, asked of its primary; shards that do not answer are left out."""
-    out = {}
+def read_shards(addresses: dict[int, str], timeout_s: float = 1.0) -> tuple[dict[int, int], dict[int, dict[str, int]]]:
+    """Each shard's version and its pushes refused for NaN/Inf per worker, asked of its primary;
+    shards that do not answer are left out."""
+    versions: dict[int, int] = {}
+    refused: dict[int, dict[str, int]] = {}
     for k, address in addresses.items():
         ch = open_channel(address)
         try:
             st = pb_grpc.ParameterServerStub(ch).Status(pb.StatusRequest(shard=k, by_shard=True), timeout=timeout_s)
-            out[k] = st.version
+            versions[k] = st.version
+            refused[k] = dict(st.nonfinite_refused)
         except grpc.RpcError:
             pass
         finally:
             ch.close()
-    return out
+    return versions, refused

@@ -5,7 +5,9 @@
   above it, so the batch-to-batch noise of a small loss is not a spike;
 - ``nonfinite_loss``: a NaN or infinite loss;
 - ``grad_spike``: the same for the gradient norm, with ``grad_spike``;
-- ``worker_behind``: a worker the chief flags as a straggler (step time above twice the median).
+- ``worker_behind``: a worker the chief flags as a straggler (step time above twice the median);
+- ``pushes_refused``: a shard refusing a worker's pushes that hold NaN/Inf (the chief's
+  ``RefusedPushes``, from the servers' counts).
 
 Each is reported once per occurrence: an alert fires on the first anomalous step and
 re-arms when a step is normal again, so a loss that stays high is one alert, not one
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from shoal.errors import InvalidArgument
 
-KINDS = ("loss_spike", "nonfinite_loss", "grad_spike", "worker_behind")
+KINDS = ("loss_spike", "nonfinite_loss", "grad_spike", "worker_behind", "pushes_refused")
 
 
 @dataclass(frozen=True)

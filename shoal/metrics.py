@@ -49,7 +49,7 @@ STALENESS = Gauge("shoal_staleness_versions", "Updates other workers applied bet
                   "and its push (the largest over shards) at the latest step")
 COMPRESSION_RATIO = Gauge("shoal_compression_ratio", "fp32 gradient bytes over the bytes pushed, latest step")
 ALERTS = Counter("shoal_alerts_total", "Alerts raised (loss spike, gradient norm spike, non-finite loss, "
-                 "worker behind)", ["kind"])
+                 "worker behind, pushes refused for NaN/Inf)", ["kind"])
 
 # ---- chief
 CHECKPOINT_SECONDS = Histogram("shoal_checkpoint_duration_seconds", "Time from freezing the shards to "

@@ -7,6 +7,7 @@ import torch
 
 from shoal import frames
 from shoal.checkpoint_store import CheckpointWriter
+from shoal.chief.telemetry import RefusedPushes, read_shards
 from shoal.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -61,6 +62,11 @@ def test_a_nan_push_is_refused_counted_in_status_and_then_fails_the_worker(ps):
     st = pb_grpc.ParameterServerStub(ch).Status(pb.StatusRequest(shard=0, by_shard=True), timeout=5)
     ch.close()
     assert dict(st.nonfinite_refused) == {"w1": NONFINITE_STREAK + 1}
+    # what the chief's watcher reads every few seconds, and the one alert it raises
+    versions, refused = read_shards({0: addr})
+    assert versions == {0: 0} and refused == {0: {"w1": NONFINITE_STREAK + 1}}
+    (alert,) = RefusedPushes().observe(refused, versions)
+    assert alert.kind == "pushes_refused" and alert.member == "w1"
 
 
 def test_an_init_with_nonfinite_weights_is_refused(ps):

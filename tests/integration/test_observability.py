@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from harness import wait_until
+from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.cli.status import collect, render
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -44,6 +45,7 @@ def observed(cluster_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_METRICS_PORT", "0")
     monkeypatch.setenv("SHOAL_ALERT_WARMUP", "5")
     c = cluster_factory(2, mode="sync")
+    c.chief.servicer.autoscaler = Autoscaler(AutoscalePolicy(min_workers=1, max_workers=3, target="queue", cooldown_s=0))
     c.chief.watch(str(tmp_path / "tb"), metrics_port=0)
     c.chief.telemetry.interval_s = 0.1
     c.chief.telemetry.versions_every_s = 0.1
@@ -71,6 +73,9 @@ def test_scrape_a_running_cluster_and_read_its_event_files(observed, tmp_path):
         if i == 20:
             wait_until(lambda: value(scrape(c.chief.metrics_endpoint.url), "shoal_live_workers") == 1,
                        timeout_s=10, what="the chief's gauge to count the worker")
+            # the HPA's metric: the tasks still queued ask for more than one worker
+            wait_until(lambda: value(scrape(c.chief.metrics_endpoint.url), "shoal_autoscale_desired_workers") >= 2,
+                       timeout_s=10, what="the desired worker count to follow the queue")
     steps = trainer.step_count
 
     # a refused call is counted by method and status code
@@ -97,6 +102,8 @@ def test_scrape_a_running_cluster_and_read_its_event_files(observed, tmp_path):
     assert value(m, "shoal_shard_version", shard="0", role="primary") >= steps
     assert value(m, "shoal_shard_bytes", shard="0", role="primary") > 0
     assert value(m, "shoal_tasks_done") > 0
+    wait_until(lambda: value(scrape(c.chief.metrics_endpoint.url), "shoal_autoscale_desired_workers") == 1,
+               timeout_s=10, what="the desired worker count to fall with the queue")
 
     status = collect(c.chief_address)
     assert {"kind": "loss_spike", "member": trainer.member_id, "step": 31} in status["alerts"]

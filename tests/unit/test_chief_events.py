@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shoal.chief.telemetry import JobEvents, Snapshot
+from shoal.chief.telemetry import JobEvents, RefusedPushes, Snapshot
 
 BASE = Snapshot(wall=0.0, view_epoch=5, live_workers=2, live_ps=2, queue_depth=3, tasks_done=4, tasks_total=20,
                 completed_epochs=0, epochs=2, samples=100, primaries={0: "ps-0", 1: "ps-1"},
@@ -31,3 +31,18 @@ def test_failover_expiry_checkpoint_view_change_and_straggler():
     assert got["worker_behind"].member == "worker-1" and got["worker_behind"].value == 12
     again = ev.observe(dataclasses.replace(later, samples=999))
     assert again == []          # each occurrence once
+
+
+def test_a_shard_refusing_a_workers_pushes_alerts_once_per_occurrence():
+    r = RefusedPushes()
+    assert r.observe({0: {}, 1: {}}, {0: 10, 1: 10}) == []
+    got = r.observe({0: {"worker-1": 3}, 1: {}}, {0: 12, 1: 12})
+    assert [(e.kind, e.member, e.value) for e in got] == [("pushes_refused", "worker-1", 12)]
+    assert "shard 0" in got[0].text and "3 so far" in got[0].text
+    assert r.observe({0: {"worker-1": 9}}, {0: 13}) == []           # still refusing: the same occurrence
+    assert r.observe({0: {"worker-1": 9}}, {0: 20}) == []           # quiet: re-armed
+    again = r.observe({0: {"worker-1": 10}, 1: {"worker-0": 1}}, {0: 30, 1: 30})
+    assert [(e.member, e.text.split()[1]) for e in again] == [("worker-1", "0"), ("worker-0", "1")]
+    assert r.observe({}, {}) == []                                   # a primary that did not answer: nothing
+    assert r.observe({0: {"worker-1": 4}}, {0: 31}) == []            # a promoted backup counts from 0 again
+    assert [e.value for e in r.observe({0: {"worker-1": 5}}, {0: 32})] == [32]   # and its refusals alert
