@@ -152,6 +152,7 @@ class Run:
             time.sleep(f.seconds)
             self.signal(f.target, signal.SIGCONT)
         elif f.action == "kill_chief_and_primary":
+            steps = self.steps()                     # where in training it lands (the end, on a slow machine)
             pids = self.pids()
             for role in ("chief", f.target):
                 if role in pids:
@@ -159,7 +160,7 @@ class Run:
                         os.kill(pids[role], signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            self.note(f"SIGKILL chief and {f.target} at once")
+            self.note(f"SIGKILL chief and {f.target} at once (after {steps} worker steps)")
         elif f.action == "corrupt_checkpoint":
             from shoal.checkpoint import list_checkpoints
 
@@ -300,7 +301,13 @@ def check(run: Run, outcome: dict) -> dict:
         v["replicas_identical"] = summary.get("replicas_identical") is not False
         final = max((summary.get("shard_versions") or {"-": -1}).values())
         ckpt = load_latest(run.ckpts)
-        if (ckpt is None or ckpt.step != final) and final in run.corrupted:
+        if summary.get("shard_errors"):
+            # a shard the run could not read has no version or ledger in the summary: its final version
+            # (and so the final checkpoint's) is unknown, not the other shards' highest
+            v["final_checkpoint"] = False
+            why.append(f"the run could not read shard(s) {summary['shard_errors']}: no final version to check "
+                       f"the newest checkpoint ({ckpt.step if ckpt else None}) against")
+        elif (ckpt is None or ckpt.step != final) and final in run.corrupted:
             v["final_checkpoint"] = None              # the nemesis damaged the final one itself, once written
             why.append(f"not checked: the nemesis corrupted the final checkpoint (step {final}) after the commit")
         elif ckpt is None or ckpt.step != final:

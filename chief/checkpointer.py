@@ -119,6 +119,10 @@ class CheckpointStatus:
         self.resumed = resumed
         self.restored_from = str(resumed.path) if resumed is not None else ""
         self.restored_step = resumed.step if resumed is not None else 0
+        # A chief recovered from its journal finds the job's newest checkpoint (``newest``), which an
+        # earlier chief of this job committed (maybe the final one, just before it died): it is the
+        # newest checkpoint this job has, and reported so, though this chief wrote none itself.
+        self.inherited = newest is not None
         newest = newest or resumed
         self.last_path = str(newest.path) if newest is not None else ""
         self.last_step = newest.step if newest is not None else 0
@@ -146,7 +150,8 @@ class CheckpointStatus:
     def stats(self) -> dict:
         """The ``JobStats`` fields."""
         return {"restored_from": self.restored_from, "restored_step": self.restored_step,
-                "checkpoint_step": self.last_step if self.written else 0, "checkpoints_written": self.written,
+                "checkpoint_step": self.last_step if self.written or self.inherited else 0,
+                "checkpoints_written": self.written,
                 "checkpoints_failed": self.failed, "checkpoint_failed_step": self.failed_step,
                 "checkpoint_error": self.last_error}
 

@@ -32,7 +32,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import RETRYABLE, open_channel
 from shoal.cli.scaler import WorkerScaler
-from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical
+from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical, shards_readable
 from shoal.cli.progress import Console, result_lines
 from shoal.cli import observe
 from shoal.cli.supervise import RestartPolicy
@@ -363,15 +363,19 @@ class LocalCluster:
 
         return _read_settled(read, lambda _: True, 0.0, "job stats from the chief", self.supervise)
 
-    def shard_report(self, settle_s: float = 5.0) -> dict | None:
+    def shard_report(self, settle_s: float = 5.0, unreadable_s: float = 60.0) -> dict | None:
         """Shard versions and ledgers, read before the servers stop.
 
+        Every shard must answer from a primary that holds it: a chief restarted from its journal
+        routes a shard to a primary that died with it until that primary's lease runs out and its
+        backup is promoted, so an unreachable or uninitialised primary is read again (for up to
+        ``unreadable_s``), never taken as the shard's record (it has no version and no ledger).
         A sync round a departed worker pushed into closes once its shard sees the
         worker gone; wait (briefly) for every shard to have no open round.
         """
         return _read_settled(lambda: collect(self.chief_address),
                              lambda r: all(not sh.get("round_pending") for sh in r["shards"]), settle_s,
-                             "shard status", self.supervise)
+                             "shard status", self.supervise, unavailable_s=unreadable_s, ready=shards_readable)
 
     def final_checkpoint(self, target: int, wait_s: float = 60.0) -> int:
         """Waits (at most ``wait_s``) for the chief to commit the checkpoint of the final state, at
@@ -408,14 +412,17 @@ class LocalCluster:
                 c.stop()
 
 
-def _read_settled(read, settled, settle_s: float, what: str, tick=None, unavailable_s: float = 60.0):
+def _read_settled(read, settled, settle_s: float, what: str, tick=None, unavailable_s: float = 60.0,
+                  ready=None):
     """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read.
 
-    While the read fails with a retryable status (a chief being restarted), it is tried again for up
-    to ``unavailable_s``, calling ``tick()`` (the supervisor's round) in between.
+    While the read fails with a retryable status (a chief being restarted), or returns a result that
+    is not ``ready`` (a part of it could not be read yet), it is tried again for up to
+    ``unavailable_s``, calling ``tick()`` (the supervisor's round) in between; a result still not
+    ready then is returned as it is (logged). ``settle_s`` counts from the first ready result.
     """
     start = time.monotonic()
-    deadline = start + settle_s
+    deadline = None
     while True:
         try:
             result = read()
@@ -426,6 +433,16 @@ def _read_settled(read, settled, settle_s: float, what: str, tick=None, unavaila
                 continue
             log.warning("could not read %s: %s", what, exc.code().name)
             return None
+        if ready is not None and not ready(result):
+            if time.monotonic() - start < unavailable_s:
+                if tick is not None:
+                    tick()
+                time.sleep(0.1)
+                continue
+            log.warning("could not read all of %s within %.0fs; reporting what was read", what, unavailable_s)
+            return result
+        if deadline is None:
+            deadline = time.monotonic() + settle_s
         if settled(result) or time.monotonic() > deadline:
             return result
         time.sleep(0.05)
@@ -480,6 +497,10 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
         summary["exactly_once"] = exactly_once(shards)
         summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in shards["shards"]}
+        unread = {str(sh["shard"]): sh.get("error") or "not initialised at its primary"
+                  for sh in shards["shards"] if not shards_readable({"shards": [sh]})}
+        if unread:      # no version, no ledger: the summary must not read as that shard's record
+            summary["shard_errors"] = unread
     if replicas is not None:
         summary["replicas"] = replicas
         summary["replicas_identical"] = replicas_identical(replicas)

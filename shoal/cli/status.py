@@ -30,7 +30,7 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
         try:
             st = pb_grpc.ParameterServerStub(sch).Status(pb.StatusRequest(shard=route.shard, by_shard=True),
                                                          timeout=timeout_s)
-            entry.update(version=st.version, numel=st.numel, applied=st.pushes_applied, dropped=st.pushes_dropped,
+            entry.update(initialized=st.initialized, version=st.version, numel=st.numel, applied=st.pushes_applied, dropped=st.pushes_dropped,
                          backup_state=st.backup_state,
                          round_pending=st.round_pending, clocks=dict(st.worker_clocks),
                          nonfinite=dict(st.nonfinite_refused),
@@ -117,6 +117,12 @@ def replicas_identical(digests: dict[str, dict[str, Any]]) -> bool | None:
         return None
     return all(p and b and "sha256" in p and (p["version"], p["sha256"]) == (b.get("version"), b.get("sha256"))
                for p, b in pairs)
+
+
+def shards_readable(s: dict[str, Any]) -> bool:
+    """Every shard of a :func:`collect` report answered from a primary that holds it (an unreachable
+    primary, or one the view names before it holds the shard, reports no version and no ledger)."""
+    return all("error" not in sh and sh.get("initialized", False) for sh in s["shards"])
 
 
 def exactly_once(s: dict[str, Any]) -> bool:
