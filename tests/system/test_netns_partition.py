@@ -58,7 +58,7 @@ def test_a_worker_cut_off_past_its_lease_is_dropped_requeued_and_rejoins(hosts, 
         for ps in ("ps0", "ps1"):
             start(ps, [*SHOAL, "ps", "--chief", chief, "--bind", f"{a[ps]}:0"])
         for w in ("w0", "w1"):
-            start(w, [*SHOAL, "worker", "--chief", chief, DIGITS, "--epochs", "40", "--step-delay", "0.02"])
+            start(w, [*SHOAL, "worker", "--chief", chief, DIGITS, "--epochs", "20", "--step-delay", "0.02"])
         wait_until(lambda: status(hosts, chief)["totals"]["steps"] > 60, timeout_s=90, what="training")
         hosts.cut("w1")
         t_cut = time.monotonic()
