@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FENCED = "primary is"          # in a backup's refusal: another ps is the primary now
 NEEDS_COPY = "needs a fresh copy"
+NO_BACKUP_WARN_S = 2.0         # how long a shard goes without a backup before that is a warning
 
 
 # ---------------------------------------------------------------- encoding
@@ -202,10 +203,20 @@ class Replicator:
             self._state = "installing" if target else "none"
             gen = self._generation
         if target is None:
-            log.warning("shard %d: no backup; updates are acknowledged by this primary alone", self.shard_id)
+            # said once the loss lasts: at the end of a job the servers leave one after the other, and the
+            # last one's shards lose their backup a moment before it stops too (no warning on a healthy run)
+            timer = threading.Timer(NO_BACKUP_WARN_S, self._warn_no_backup, args=(gen,))
+            timer.daemon = True
+            timer.start()
             return
         log.info("shard %d: new backup %s at %s; sending it a copy", self.shard_id, *target)
         threading.Thread(target=self._install, args=(gen,), name=f"install-{self.shard_id}", daemon=True).start()
+
+    def _warn_no_backup(self, gen: int) -> None:
+        with self._lock:
+            still = gen == self._generation and self._target is None and not self._stop.is_set()
+        if still:
+            log.warning("shard %d: no backup; updates are acknowledged by this primary alone", self.shard_id)
 
     def close(self) -> None:
         self._stop.set()
