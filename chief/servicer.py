@@ -267,5 +267,5 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                completed_epochs=s.tasks.completed_epochs,
                                epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
                                batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
-                               lost_shards=s.lost, stopped=s.stopped,
+                               lost_shards=s.lost, stopped=s.stopped, metric_sources=dict(s.metric_sources),
                                **(s.checkpoints.stats() if s.checkpoints is not None else {}))

@@ -42,6 +42,7 @@ class ChiefState:
         self.lost: list[int] = []              # shards that lost every copy (see recovery)
         self.stopped = ""                      # why the job stopped: a consistent job lost a shard
         self.metrics: dict[str, float] = {}
+        self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
 
     def _changed(self, why: str) -> None:
@@ -248,6 +249,7 @@ class ChiefState:
     def report(self, member_id: str, values: Mapping[str, float]) -> None:
         self.members.get(member_id)
         self.metrics.update({k: float(v) for k, v in values.items()})
+        self.metric_sources.update({k: member_id for k in values})
 
     # ------------------------------------------------------------ reads
 
@@ -293,6 +295,7 @@ class ChiefState:
             "lost": list(self.lost),
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
+            "metric_sources": dict(self.metric_sources),
             "members": self.members.to_dict(),
             "tasks": self.tasks.to_dict(),
         }
@@ -319,6 +322,7 @@ class ChiefState:
         s.lost = [int(k) for k in d.get("lost", [])]
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
+        s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])
         if recover:

@@ -296,7 +296,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,13 @@ class JobStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricSourcesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_SEEN_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +331,7 @@ class JobStats(_message.Message):
     CHECKPOINTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    METRIC_SOURCES_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -344,7 +352,8 @@ class JobStats(_message.Message):
     checkpoints_failed: int
     checkpoint_failed_step: int
     checkpoint_error: str
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ...) -> None: ...
+    metric_sources: _containers.ScalarMap[str, str]
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UnreachableReport(_message.Message):
     __slots__ = ("reporter_id", "member_id")

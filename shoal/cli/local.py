@@ -542,6 +542,8 @@ def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats
                        batches_per_epoch=stats.batches_per_epoch, lost_shards=list(stats.lost_shards),
                        recovery=stats.job.recovery)
         summary.update({k: v for k, v in sorted(stats.metrics.items())})
+        if "test_accuracy" in stats.metric_sources:     # which worker evaluated the job's final weights
+            summary["test_accuracy_from"] = stats.metric_sources["test_accuracy"]
         if stats.restored_from:
             summary.update(restored_from=stats.restored_from, restored_step=stats.restored_step)
         if stats.checkpoints_written:

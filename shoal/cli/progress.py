@@ -222,7 +222,8 @@ def result_lines(summary: dict[str, Any], ok: bool, summary_path: str = "", log_
             f"{summary.get('ps', '?')} ps, {summary.get('workers', '?')} workers")
     lines = [head]
     if "test_accuracy" in summary:
-        lines.append(f"  test accuracy   {summary['test_accuracy']:.4f}")
+        source = f" ({summary['test_accuracy_from']})" if summary.get("test_accuracy_from") else ""
+        lines.append(f"  test accuracy   {summary['test_accuracy']:.4f}{source}")
     if "train_loss" in summary:
         lines.append(f"  train loss      {summary['train_loss']:.4f}")
     if steps is not None and seconds:

@@ -18,6 +18,7 @@ def test_digits_reaches_the_accuracy_bar(tmp_path, mode):
     summary = finish(start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", mode), tmp_path)
     assert summary["mode"] == mode and summary["workers"] == 2 and summary["ps"] == 2
     assert summary["test_accuracy"] >= 0.95, summary
+    assert summary["test_accuracy_from"] in {"worker-0", "worker-1"}      # the worker that evaluated it
     assert summary["tasks_done"] == summary["tasks_total"] > 0
     assert summary["exactly_once"] and summary["samples"] >= 15 * 1347
     assert summary["bytes_pushed"] > 0 and summary["bytes_pulled"] > 0

@@ -142,12 +142,13 @@ def make_state(clock):
 
 
 def test_chief_state_round_trip(clock):
-    s, _ = make_state(clock)
+    s, (_, _, w0, _) = make_state(clock)
     d = through_json(s.to_dict())
     back = ChiefState.from_dict(d, clock)
     assert back.to_dict() == d
     assert back.view() == s.view()
     assert back.secret == s.secret and back.layout == s.layout and back.totals() == s.totals()
+    assert back.metric_sources == {"loss": w0.member_id}          # who reported it survives a restart
 
 
 def test_recovery_bumps_the_epoch_renews_leases_and_keeps_identities(clock):

@@ -76,13 +76,13 @@ def test_rate_over_a_window():
 
 def test_result_lines_are_few_and_name_the_files():
     summary = {"mode": "sync", "ps": 2, "workers": 2, "seconds": 20.0, "steps": 200, "samples": 6400,
-               "test_accuracy": 0.9712, "exactly_once": True, "replicas_identical": True,
+               "test_accuracy": 0.9712, "test_accuracy_from": "worker-1", "exactly_once": True, "replicas_identical": True,
                "worker_exit_codes": {"worker0": 0, "worker1": 0}, "tensorboard": "runs/tb",
                "alert/loss_spike/worker-0": 12.0}
     lines = result_lines(summary, True, "runs/summary.json", "runs/shoal.log")
     assert lines[0] == "training finished in 20.0s: sync mode, 2 ps, 2 workers"
     text = "\n".join(lines)
-    for part in ("test accuracy   0.9712", "200 (10.0/s)", "6400 samples (320/s)", "exactly once    yes",
+    for part in ("test accuracy   0.9712 (worker-1)", "200 (10.0/s)", "6400 samples (320/s)", "exactly once    yes",
                  "alerts          1", "tensorboard --logdir runs/tb", "runs/summary.json", "runs/shoal.log"):
         assert part in text
     assert len(lines) <= 10
