@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -33,11 +33,12 @@ from shoal.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
+from shoal.worker.exchange import SentPush, ShardExchange
 
 from shoal.worker.buffers import ModelBuffers
 from shoal.worker.momentum import LocalMomentum, server_optimizer
 from shoal.worker.ps_client import TRANSPORTS, ShardClient, is_uninitialised
-from shoal.worker.routes import ShardRoutes, is_failover, went_back
+from shoal.worker.routes import ShardRoutes, is_failover
 from shoal.worker.push import GradientEncoder
 from shoal.worker.staging import Staging
 from shoal.worker.telemetry import StepClock, WorkerTelemetry, after_step
@@ -68,17 +69,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
-class _SentPush:
-    """One shard's encoded push of the current step, kept to re-send it after a failover."""
-
-    chunks: list
-    version: int
-    key: str
-    samples: int
-    extra: dict
-
-
-@dataclass(frozen=True)
 class BatchContext:
     """The batch the training loop is on: what a push says about its data."""
 
@@ -93,7 +83,7 @@ class BatchContext:
                     task_start=t.start, task_stop=t.stop, batch_start=self.start, batch_stop=self.stop)
 
 
-class Trainer:
+class Trainer(ShardExchange):
     """Joins the job, keeps the model's weights in step with the parameter servers.
 
     ``chief`` defaults to ``$SHOAL_CHIEF``. ``optimizer`` and its hyper-parameters
@@ -174,7 +164,7 @@ class Trainer:
         self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
         self._step_versions = dict(self.versions)
-        self._sent: dict[int, _SentPush] = {}
+        self._sent: dict[int, SentPush] = {}
         self._readiness = GradReadiness(self._params, self._grad_views, self.param_layout, self.plan,
                                         self._launch_push) if overlap else None
         self._started = False
@@ -369,153 +359,11 @@ class Trainer:
         after_step(self, t0, samples, loss, versions, by_shard, self._bytes_at_step)
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
 
-    def _push_then_pull(self, futures: dict[int, Future], versions: dict[int, int]) -> dict[int, pb.PushReply]:
-        """Waits for the pushes and pulls every shard's new weights; returns the push replies.
-
-        Async and ssp: a shard's pull starts as soon as its own push is answered, so it comes down
-        while the other shards' pushes still go up. Sync waits for the rounds only when every shard
-        took this step's gradient: a worker that was late somewhere (a backup-worker round closed
-        without it) moves on at once instead, as waiting on the shards that did take it could
-        deadlock against workers late elsewhere.
-        """
-        if self.mode != "sync":
-            shard_of = {f: k for k, f in futures.items()}
-            replies, pulls = {}, []
-            for f in as_completed(shard_of):
-                k = shard_of[f]
-                replies[k] = f.result()
-                pulls.append(self._pool.submit(self._pull_shard, k, replies[k].version, True))
-            self.clock.pushed_at = time.perf_counter()
-            for f in pulls:
-                f.result()
-            return replies
-        replies = {k: f.result() for k, f in futures.items()}
-        self.clock.pushed_at = time.perf_counter()
-        in_round = all(r.accepted and not r.duplicate for r in replies.values())
-        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
-                                                       resend=True), list(self._clients)))
-        return replies
-
-    def _key_base(self) -> str:
-        batch = self._batch
-        if batch is not None:
-            return f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
-        return f"{self.member_id}/step{self.step_count}"
-
     def _current_batch(self) -> BatchContext | None:
         """The batch this step pushes: from :meth:`batches`, or the next one a sampler recorded."""
         if self._batch is None and self._batch_source is not None:
             self._batch = self._batch_source()
         return self._batch
-
-    def _launch_push(self, shard: int, versions: dict[int, int] | None = None):
-        """Submits shard's push for the current step to the pool (from step() or a backward hook)."""
-        batch = self._current_batch()
-        version = (versions or self._step_versions)[shard]
-        samples = batch.stop - batch.start if batch is not None else 0
-        self.buffers.fill_deltas(self.flat_grads)    # the forward passes since the last pull moved them
-        ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
-        hparams = self._hparams_source() if self._hparams_source is not None else None   # read here: main thread
-        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready, hparams)
-
-    def _push(self, shard: int, version: int, key_base: str, samples: int,
-              batch: "BatchContext | None", ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
-        a, b = self.plan.ranges[shard]
-        if self.encoder.tag == "none" and not self.momentum.active(shard):
-            grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory
-        else:
-            grad = self.flat_grads[a:b]                       # compressed where it lives (GPU or CPU)
-            if ready is not None:
-                torch.cuda.current_stream(grad.device).wait_event(ready)
-            if self.momentum.active(shard):
-                grad = self.momentum.apply(shard, grad)
-                self.buffers.patch(grad, a, self.flat_grads)    # buffers' changes go as they are
-            if self.encoder.tag == "none":
-                grad = grad.cpu()
-        chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
-        extra = batch.header_fields() if batch is not None else {}
-        if hparams:
-            extra["hparams"] = hparams
-        sent = _SentPush(chunks, version, f"{key_base}/{shard}", samples, extra)
-        self._sent[shard] = sent
-        return self._send(shard, sent)
-
-    def _send(self, shard: int, p: "_SentPush") -> pb.PushReply:
-        """Sends (or, after a failover, re-sends) one encoded push; the key keeps it from applying twice."""
-        while True:
-            client = self._clients[shard]
-            try:
-                reply, sent = client.push(p.chunks, worker=self.member_id, version=p.version, key=p.key,
-                                          view_epoch=self.chief.view.epoch if self.chief.view else 0,
-                                          samples=p.samples, **p.extra)
-                break
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "is over" in (exc.details() or ""):
-                    # this worker trained a task the chief re-queued (its lease lapsed) and another
-                    # worker already finished the epoch: nothing to apply, skip the batch
-                    log.info("shard %d: %s; skipping the batch", shard, exc.details())
-                    return pb.PushReply(accepted=False, duplicate=True, reason=exc.details())
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:   # ssp back-pressure: same key again
-                    log.info("shard %d: %s; retrying", shard, exc.details())
-                    continue
-                if went_back(exc) and self._started:
-                    version = self._restart_shard(shard, exc)
-                    return pb.PushReply(accepted=False, version=version, reason=exc.details())
-                if not is_failover(exc):
-                    raise
-                self.routes.reroute(shard, client, exc)
-        self._count(pushed=sent)
-        return reply
-
-    def _restart_shard(self, shard: int, exc: grpc.RpcError) -> int:
-        """The shard lost every copy and came back empty or from a checkpoint (``--recovery fast``).
-
-        An empty one is initialised from this worker's weights (the first worker
-        to get there wins); the shard's version starts over. Returns it. The
-        batch being pushed is handed back to the chief to be trained again.
-        """
-        a, b = self.plan.ranges[shard]
-        client = self._clients[shard]
-        log.warning("shard %d lost its state (%s); --recovery fast: going on from %s", shard,
-                    (exc.details() or "")[:100], "this worker's weights" if is_uninitialised(exc) else "its restore")
-        self._held.pop(shard, None)
-        self.momentum.reset(shard)
-        if is_uninitialised(exc):
-            client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
-        version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
-        self.versions[shard] = self._step_versions[shard] = version
-        return version
-
-    def _pull_shard(self, shard: int, min_version: int = 0, resend: bool = False) -> None:
-        """Pulls shard's weights at ``min_version`` or later. ``resend``: after a failover, push this
-        step's gradient again first (the new primary may not have it; if it has, the key says so)."""
-        buf = self.staging.weights_target(shard)
-        since = self._held.pop(shard, None) if self.delta_pulls else None
-        while True:
-            client = self._clients[shard]
-            try:
-                version, got = client.pull(buf, min_version, self.pull_codec, since=since)
-                break
-            except grpc.RpcError as exc:
-                since = None                      # buf may be partly written: the next try pulls it whole
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    log.info("shard %d: still waiting for version %d", shard, min_version)
-                    continue
-                if is_uninitialised(exc) and self._started:   # at start-up the caller initialises it
-                    min_version = min(min_version, self._restart_shard(shard, exc))
-                    continue
-                if not is_failover(exc):
-                    raise
-                self.routes.reroute(shard, client, exc)
-                sent = self._sent.get(shard)
-                if resend and sent is not None:
-                    reply = self._send(shard, sent)
-                    if not reply.accepted and not reply.duplicate:   # the new primary closed that round
-                        min_version = min(min_version, reply.version)
-        self.staging.land(shard)
-        self.versions[shard] = version
-        self._held[shard] = version
-        self._count(pulled=got)
 
     def pull(self) -> None:
         """Refreshes the local weights from every shard (e.g. before evaluating)."""
