@@ -14,19 +14,31 @@ import logging
 import time
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
+from shoal.dataset import Task
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.ps_client import is_uninitialised
 from shoal.worker.routes import is_failover, went_back
 
-if TYPE_CHECKING:
-    from shoal.worker.trainer import BatchContext
-
 log = logging.getLogger("shoal.worker.trainer")      # one logger for the worker's lines, as before
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """The batch the training loop is on: what a push says about its data."""
+
+    task: Task
+    token: bytes
+    start: int
+    stop: int
+
+    def header_fields(self) -> dict:
+        t = self.task
+        return dict(has_batch=True, task_id=t.task_id, attempt=t.attempt, token=self.token, data_epoch=t.epoch,
+                    task_start=t.start, task_stop=t.stop, batch_start=self.start, batch_stop=self.stop)
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,7 @@ class ShardExchange:
         return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready, hparams)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
-              batch: "BatchContext | None", ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
+              batch: BatchContext | None, ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
         a, b = self.plan.ranges[shard]
         if self.encoder.tag == "none" and not self.momentum.active(shard):
             grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory

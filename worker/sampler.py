@@ -39,7 +39,8 @@ from shoal.dataset import DatasetSpec, Task
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.worker.data import TaskFeed
 from shoal.worker.optimizer import active_trainer
-from shoal.worker.trainer import BatchContext, Trainer
+from shoal.worker.exchange import BatchContext
+from shoal.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -33,7 +32,7 @@ from shoal.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
-from shoal.worker.exchange import SentPush, ShardExchange
+from shoal.worker.exchange import BatchContext, SentPush, ShardExchange
 
 from shoal.worker.buffers import ModelBuffers
 from shoal.worker.momentum import LocalMomentum, server_optimizer
@@ -66,21 +65,6 @@ def request_stop() -> bool:
 
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class BatchContext:
-    """The batch the training loop is on: what a push says about its data."""
-
-    task: Task
-    token: bytes
-    start: int
-    stop: int
-
-    def header_fields(self) -> dict:
-        t = self.task
-        return dict(has_batch=True, task_id=t.task_id, attempt=t.attempt, token=self.token, data_epoch=t.epoch,
-                    task_start=t.start, task_stop=t.stop, batch_start=self.start, batch_stop=self.stop)
 
 
 class Trainer(ShardExchange):
