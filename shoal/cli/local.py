@@ -34,6 +34,7 @@ from shoal.rpc import RETRYABLE, open_channel
 from shoal.cli.scaler import WorkerScaler
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical, shards_readable
 from shoal.cli.progress import Console, result_lines
+from shoal.cli.records import add_records, build_summary, read_settled, write_json
 from shoal.cli import observe
 from shoal.cli.supervise import RestartPolicy
 
@@ -361,7 +362,7 @@ class LocalCluster:
             finally:
                 channel.close()
 
-        return _read_settled(read, lambda _: True, 0.0, "job stats from the chief", self.supervise)
+        return read_settled(read, lambda _: True, 0.0, "job stats from the chief", self.supervise)
 
     def shard_report(self, settle_s: float = 5.0, unreadable_s: float = 60.0) -> dict | None:
         """Shard versions and ledgers, read before the servers stop.
@@ -373,7 +374,7 @@ class LocalCluster:
         A sync round a departed worker pushed into closes once its shard sees the
         worker gone; wait (briefly) for every shard to have no open round.
         """
-        return _read_settled(lambda: collect(self.chief_address),
+        return read_settled(lambda: collect(self.chief_address),
                              lambda r: all(not sh.get("round_pending") for sh in r["shards"]), settle_s,
                              "shard status", self.supervise, unavailable_s=unreadable_s, ready=shards_readable)
 
@@ -396,7 +397,7 @@ class LocalCluster:
 
     def replica_report(self, settle_s: float = 10.0) -> dict | None:
         """Digests of every shard's copies; waits (briefly) for a backup still being filled."""
-        return _read_settled(lambda: replica_digests(self.chief_address),
+        return read_settled(lambda: replica_digests(self.chief_address),
                              lambda d: replicas_identical(d) is not False, settle_s, "replica digests",
                              self.supervise)
 
@@ -410,42 +411,6 @@ class LocalCluster:
                 c.terminate()
             for c in group:
                 c.stop()
-
-
-def _read_settled(read, settled, settle_s: float, what: str, tick=None, unavailable_s: float = 60.0,
-                  ready=None):
-    """``read()`` until ``settled(result)`` or ``settle_s`` pass; None (logged) if it cannot be read.
-
-    While the read fails with a retryable status (a chief being restarted), or returns a result that
-    is not ``ready`` (a part of it could not be read yet), it is tried again for up to
-    ``unavailable_s``, calling ``tick()`` (the supervisor's round) in between; a result still not
-    ready then is returned as it is (logged). ``settle_s`` counts from the first ready result.
-    """
-    start = time.monotonic()
-    deadline = None
-    while True:
-        try:
-            result = read()
-        except grpc.RpcError as exc:
-            if tick is not None and exc.code() in RETRYABLE and time.monotonic() - start < unavailable_s:
-                tick()
-                time.sleep(0.1)
-                continue
-            log.warning("could not read %s: %s", what, exc.code().name)
-            return None
-        if ready is not None and not ready(result):
-            if time.monotonic() - start < unavailable_s:
-                if tick is not None:
-                    tick()
-                time.sleep(0.1)
-                continue
-            log.warning("could not read all of %s within %.0fs; reporting what was read", what, unavailable_s)
-            return result
-        if deadline is None:
-            deadline = time.monotonic() + settle_s
-        if settled(result) or time.monotonic() > deadline:
-            return result
-        time.sleep(0.05)
 
 
 def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
@@ -482,7 +447,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         log.error("job stopped: %s", exc)
         cluster.stop()
         if cfg.summary:
-            _write_json(Path(cfg.summary), {**build_summary(cfg, {}, time.monotonic() - started, None),
+            write_json(Path(cfg.summary), {**build_summary(cfg, {}, time.monotonic() - started, None),
                                             "error": str(exc), "restarts": dict(cluster.restarts),
                                             "rollbacks": cluster.rollbacks})
         return 3
@@ -493,23 +458,11 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     console.close_log()
     ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 for c in codes.values())
     summary = build_summary(cluster.cfg, codes, seconds, stats)
-    if shards is not None:
-        summary["ledger"] = {str(sh["shard"]): sh.get("ledger", []) for sh in shards["shards"]}
-        summary["exactly_once"] = exactly_once(shards)
-        summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in shards["shards"]}
-        unread = {str(sh["shard"]): sh.get("error") or "not initialised at its primary"
-                  for sh in shards["shards"] if not shards_readable({"shards": [sh]})}
-        if unread:      # no version, no ledger: the summary must not read as that shard's record
-            summary["shard_errors"] = unread
-    if replicas is not None:
-        summary["replicas"] = replicas
-        summary["replicas_identical"] = replicas_identical(replicas)
+    add_records(summary, shards, replicas, final_step)
     summary["restarts"] = dict(cluster.restarts)
     summary["rollbacks"] = cluster.rollbacks
-    if final_step is not None:
-        summary["final_checkpoint_step"] = final_step
     if cfg.summary:
-        _write_json(Path(cfg.summary), summary)
+        write_json(Path(cfg.summary), summary)
     if summary.get("checkpoints_failed"):
         log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
                   summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
@@ -520,36 +473,3 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     out.write("\n".join(result_lines(summary, ok, cfg.summary, console.log_path)) + "\n")
     out.flush()
     return 0 if ok else 1
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def build_summary(cfg: LocalConfig, codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
-    summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
-                     "authenticated": auth.job_token() is not None, "tls": tls.config().enabled,
-                     "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes,
-                     "tensorboard": str(Path(cfg.tensorboard).parent) if cfg.tensorboard else ""}
-    if stats is not None:
-        summary.update(steps=stats.totals.steps, samples=stats.totals.samples,
-                       bytes_pushed=stats.totals.bytes_pushed, bytes_pulled=stats.totals.bytes_pulled,
-                       tasks_done=stats.tasks_done, tasks_total=stats.tasks_total,
-                       workers_seen=stats.workers_seen, epochs=stats.epochs,
-                       batches_per_epoch=stats.batches_per_epoch, lost_shards=list(stats.lost_shards),
-                       recovery=stats.job.recovery)
-        summary.update({k: v for k, v in sorted(stats.metrics.items())})
-        if "test_accuracy" in stats.metric_sources:     # which worker evaluated the job's final weights
-            summary["test_accuracy_from"] = stats.metric_sources["test_accuracy"]
-        if stats.restored_from:
-            summary.update(restored_from=stats.restored_from, restored_step=stats.restored_step)
-        if stats.checkpoints_written:
-            summary.update(checkpoint_step=stats.checkpoint_step, checkpoints_written=stats.checkpoints_written)
-        if stats.checkpoints_failed:
-            summary.update(checkpoints_failed=stats.checkpoints_failed,
-                           checkpoint_failed_step=stats.checkpoint_failed_step,
-                           checkpoint_error=stats.checkpoint_error)
-    return summary
