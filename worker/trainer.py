@@ -386,7 +386,10 @@ class Trainer(ShardExchange):
                     if _STOP_REQUESTED.is_set():
                         self._hand_back(feed)
                     self._batch = BatchContext(task, token, start, stop)
+                    steps = self.step_count
                     yield batch
+                    if self.step_count == steps and self._batch is not None:
+                        self._unstepped(self._batch)
                 self._batch = None
                 self._task_finished(task)
                 feed.mark_done(task)
@@ -399,16 +402,22 @@ class Trainer(ShardExchange):
             feed.close()
             self._feed = None
 
+    def _unstepped(self, batch: BatchContext) -> None:
+        """The loop went on to the next batch without step() or skip_batch(): its gradient would be
+        pushed under the next batch's name (accumulation over micro-batches) or not at all, and the
+        ledger would misname the job's data either way."""
+        raise FailedPrecondition(
+            f"batches() yielded batch {batch.task.epoch}/{batch.start} and the loop asked for the next one "
+            f"without step() or skip_batch(): call step() once per batch (gradient accumulation over "
+            f"micro-batches is not supported: use a larger batch_size), or skip_batch() to hand a batch back")
+
     def skip_batch(self) -> None:
         """The loop skipped this batch's step (an inf/nan gradient under a GradScaler): nothing is pushed,
         and the batch goes back to the chief, so the ledger still gets every batch once."""
-        if self._batch_source is None:
-            return
         batch = self._current_batch()
         if batch is None or self._feed is None:
             return
-        log.info("step skipped (inf/nan gradients): batch %d/%d goes back to the chief", batch.task.epoch,
-                 batch.start)
+        log.info("step skipped: batch %d/%d goes back to the chief", batch.task.epoch, batch.start)
         self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
         self._batch = None
         if self._batch_done is not None:

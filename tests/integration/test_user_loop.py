@@ -163,6 +163,24 @@ def test_calling_batches_again_after_the_data_is_done_is_an_error(cluster_factor
         trainer.close()
 
 
+def test_a_batch_left_without_step_is_an_error_and_skip_batch_hands_it_back(cluster_factory):
+    c = cluster_factory(1, mode="async")
+    model = mlp()
+    trainer = Trainer(model, chief=c.chief_address)
+    x, y = dataset(n=64).tensors[1:]
+    try:
+        batches = trainer.batches((x, y), batch_size=16)
+        next(batches)
+        trainer.skip_batch()                       # handed back: the loop may go on
+        xb, yb = next(batches)
+        F.cross_entropy(model(xb), yb).backward()  # accumulating: a second backward() before one step()
+        with pytest.raises(FailedPrecondition, match=r"without step\(\) or skip_batch\(\).*accumulation"):
+            next(batches)
+        assert trainer.step_count == 0
+    finally:
+        trainer.close()
+
+
 def bn_net(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
