@@ -64,8 +64,10 @@ def wait_for(what: str, cond, proc: subprocess.Popen, timeout_s: float = 120.0) 
 def longest_stall(tmp: Path, start: float, stop: float) -> float:
     ends = sorted(float(line) for f in tmp.glob("steps-*.log") for line in f.read_text().splitlines()
                   if line and not line.startswith("#"))
-    inside = [start] + [t for t in ends if start < t < stop] + [next((t for t in ends if t >= stop), stop)]
-    return max(b - a for a, b in zip(inside, inside[1:]))
+    # training that ended inside the window is no stall: the window then ends at the last step
+    after = next((t for t in ends if t >= stop), None)
+    inside = [start] + [t for t in ends if start < t < stop] + ([after] if after is not None else [])
+    return max((b - a for a, b in zip(inside, inside[1:])), default=0.0)
 
 
 def lost_batches(summary: dict) -> int:

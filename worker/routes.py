@@ -23,6 +23,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.worker.ps_client import ShardClient, is_uninitialised
 
 log = logging.getLogger(__name__)
+RETIRE_GRACE_S = 0.5      # how long calls on a server the view moved a shard away from may still finish
 
 
 def is_failover(exc: grpc.RpcError) -> bool:
@@ -96,11 +97,13 @@ class ShardRoutes:
             self._lock.release()
 
     def _retire(self, client: ShardClient) -> None:
-        """Closes a client the view moved away from after a lease: a call finishing on a server that left
-        on purpose has the time it needs, and a call blocked on one that stopped answering (the view also
-        drops an expired server) fails then and takes the failover path, instead of its own timeout."""
+        """Closes a client the view moved away from after a short grace: a call finishing on a server that
+        left on purpose (an RPC under way: milliseconds) has the time it needs, and a call blocked on one
+        that stopped answering (the view also drops an expired server) fails then and takes the failover
+        path, instead of its own timeout. A call that outlasts the grace on a server that did leave is
+        re-sent to the new primary with its key: a duplicate there at worst, never a loss."""
         self._retired.append(client)
-        timer = threading.Timer(max(self.chief.lease_seconds, 1.0), client.close)
+        timer = threading.Timer(min(RETIRE_GRACE_S, max(self.chief.lease_seconds, 0.1)), client.close)
         timer.daemon = True
         timer.start()
 
