@@ -67,7 +67,8 @@ class Alert:
 
     def message(self) -> str:
         what = {"loss_spike": "loss jumped to", "nonfinite_loss": "loss is", "grad_spike": "gradient norm jumped to",
-                "worker_behind": "is behind: step time"}[self.kind]
+                "worker_behind": "is behind: step time",
+                "pushes_refused": "pushes refused for NaN/Inf:"}[self.kind]
         limit = f" (limit {self.threshold:.4g})" if self.threshold else ""
         return f"{self.member} step {self.step}: {what} {self.value:.4g}{limit}"
 

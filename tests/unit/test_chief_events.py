@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shoal.alerts import Alert
 from shoal.chief.telemetry import JobEvents, RefusedPushes, Snapshot
 
 BASE = Snapshot(wall=0.0, view_epoch=5, live_workers=2, live_ps=2, queue_depth=3, tasks_done=4, tasks_total=20,
@@ -39,6 +40,7 @@ def test_a_shard_refusing_a_workers_pushes_alerts_once_per_occurrence():
     got = r.observe({0: {"worker-1": 3}, 1: {}}, {0: 12, 1: 12})
     assert [(e.kind, e.member, e.value) for e in got] == [("pushes_refused", "worker-1", 12)]
     assert "shard 0" in got[0].text and "3 so far" in got[0].text
+    assert "NaN/Inf" in Alert("pushes_refused", "worker-1", 12, 3.0).message()    # every kind has a message
     assert r.observe({0: {"worker-1": 9}}, {0: 13}) == []           # still refusing: the same occurrence
     assert r.observe({0: {"worker-1": 9}}, {0: 20}) == []           # quiet: re-armed
     again = r.observe({0: {"worker-1": 10}, 1: {"worker-0": 1}}, {0: 30, 1: 30})
