@@ -89,7 +89,10 @@ def fault(case: str, tmp: Path, proc: subprocess.Popen, args: argparse.Namespace
         try:
             time.sleep(args.pause)
         finally:
-            os.kill(victim, signal.SIGCONT)
+            try:
+                os.kill(victim, signal.SIGCONT)
+            except ProcessLookupError:   # the job ended meanwhile and its supervisor killed the stopped process
+                pass
         return t0, time.time()
     first = pids()["ps0"]
     mark = len(text())

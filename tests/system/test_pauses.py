@@ -27,7 +27,10 @@ def pause(pid: int, seconds: float, watch=None) -> float:
                 watch(time.monotonic() - t0)
             time.sleep(0.05)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:       # the job ended meanwhile and its supervisor killed the stopped process
+            pass
     return time.monotonic() - t0
 
 
@@ -41,10 +44,17 @@ def longest_stall(tmp_path, start: float, stop: float) -> float:
     return max((b - a for a, b in zip(inside, inside[1:])), default=0.0)
 
 
+def steps_after(tmp_path, when: float) -> int:
+    return sum(1 for f in tmp_path.glob("steps-*.txt") for line in f.read_text().splitlines()
+               if line and not line.startswith("#") and float(line) > when)
+
+
 def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing_and_stalls_a_few_leases(tmp_path):
     """Sync (the strictest: every round needs both shards); async runs in bench/pauses.py."""
+    # paced, so that training outlasts the pause on a fast machine too: the old primary must wake mid-training
     proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", "sync", "--lease-seconds", "1.5",
-                       script_args=("--epochs", "3", "--step-log", str(tmp_path / "steps-{pid}.txt")))
+                       script_args=("--epochs", "8", "--step-delay", "0.05",
+                                    "--step-log", str(tmp_path / "steps-{pid}.txt")))
     log = tmp_path / "local.log"
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 30,
                timeout_s=90, what="training to be under way")
@@ -55,6 +65,7 @@ def test_a_primary_paused_across_its_promotion_loses_and_doubles_nothing_and_sta
     summary = finish(proc, tmp_path)
     text = log.read_text()
     assert "promoted to primary" in text
+    assert steps_after(tmp_path, t0 + 8.0) > 20, "training ended before the paused primary woke up"
     stall = longest_stall(tmp_path, t0, t0 + 8.0)
     print(f"longest stall of training during an 8 s pause of a primary: {stall:.2f}s (lease 1.5 s)")
     # the lease to expire the primary (and up to a heartbeat), half a second of grace for calls on the old
