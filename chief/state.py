@@ -70,7 +70,9 @@ class ChiefState:
         """A ps joins: it takes a shard without a primary, else it backs up shards that need one."""
         m = self.members.join(Role.PS, address=address, host=host, member_id=member_id)
         shard = next((k for k, mid in sorted(self.routing.items()) if mid == m.member_id), -1)
-        if shard < 0:
+        # a stopped job (--recovery consistent lost a shard) hands the lost shard to no one: a server
+        # restored from a checkpoint now would take pushes that the rollback then throws away
+        if shard < 0 and not self.stopped:
             free = [k for k in range(self.job.num_shards) if k not in self.routing]
             if free:
                 shard = free[0]

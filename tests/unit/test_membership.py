@@ -39,7 +39,7 @@ def test_rejoin_after_expiry_keeps_identity_and_counters(clock):
 
 
 def test_view_epoch_changes_with_membership_and_routing(clock):
-    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0, replicas=1), clock)
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0, replicas=1, recovery="fast"), clock)
     e0 = s.epoch
     p0, shard0 = s.join_ps("h:1")
     p1, shard1 = s.join_ps("h:2")
@@ -85,8 +85,9 @@ def test_each_shard_gets_a_backup_on_another_ps_and_a_dead_primary_is_replaced_b
     clock.advance(10.0)
     assert [m.member_id for m in s.tick()] == [p1.member_id]     # the last copy of both shards dies
     assert routes(s) == {} and s.lost == [0, 1] and not s.view().ready
+    assert s.stopped                                             # --recovery consistent: the job rolls back
     p3, shard = s.join_ps("h:4")
-    assert shard == 0 and routes(s) == {0: (p3.member_id, "")}
+    assert shard == -1 and routes(s) == {}                       # so no server restores and serves a lost shard
 
 
 def test_backups_spread_over_three_servers_and_survive_a_journal_round_trip(clock):
@@ -316,6 +317,8 @@ def test_a_backup_is_promoted_only_once_its_primary_said_its_copy_is_whole(clock
     s, p1 = kill_primary("consistent", None)                             # before or during the copy
     assert s.stopped and "had not finished receiving its copy" in s.stopped and s.lost == [0]
     assert 0 not in s.routing and routes(s) == {1: (p1.member_id, "")}
+    p2, shard = s.join_ps("h:3")                 # the supervisor restarts the dead server before the rollback
+    assert shard == -1 and 0 not in s.routing    # the stopped job gives it nothing to restore and serve
     s, p1 = kill_primary("consistent", lambda p0, p1: {0: "ps-9", 1: p1.member_id})  # not its backup, not its shard
     assert s.stopped and s.lost == [0]
     s, p1 = kill_primary("fast", None)                                   # goes on with it, and says so
