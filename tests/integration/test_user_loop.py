@@ -144,41 +144,41 @@ def test_an_epoch_with_nothing_left_is_an_empty_iteration_and_epochs_past_the_en
         opt.close()
 
 
-def test_calling_batches_again_after_the_data_is_done_is_an_error(cluster_factory):
+@pytest.fixture
+def plain_trainer(cluster_factory):
+    """An MLP and the lower-layer Trainer on a one-shard async job."""
     c = cluster_factory(1, mode="async")
     model = mlp()
     trainer = Trainer(model, chief=c.chief_address)
+    yield model, trainer
+    trainer.close()
+
+
+def test_calling_batches_again_after_the_data_is_done_is_an_error(plain_trainer):
+    model, trainer = plain_trainer
     x, y = dataset(n=32).tensors[1:]
-    try:
-        for epoch in range(2):                # the one-epoch trap: batches() inside an epoch loop
-            if epoch == 1:
-                with pytest.raises(FailedPrecondition, match="one iterator over all epochs"):
-                    next(iter(trainer.batches((x, y), batch_size=16)))
-                break
-            for xb, yb in trainer.batches((x, y), batch_size=16):
-                trainer.zero_grad()
-                F.cross_entropy(model(xb), yb).backward()
-                trainer.step()
-    finally:
-        trainer.close()
+    for epoch in range(2):                # the one-epoch trap: batches() inside an epoch loop
+        if epoch == 1:
+            with pytest.raises(FailedPrecondition, match="one iterator over all epochs"):
+                next(iter(trainer.batches((x, y), batch_size=16)))
+            break
+        for xb, yb in trainer.batches((x, y), batch_size=16):
+            trainer.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            trainer.step()
 
 
-def test_a_batch_left_without_step_is_an_error_and_skip_batch_hands_it_back(cluster_factory):
-    c = cluster_factory(1, mode="async")
-    model = mlp()
-    trainer = Trainer(model, chief=c.chief_address)
+def test_a_batch_left_without_step_is_an_error_and_skip_batch_hands_it_back(plain_trainer):
+    model, trainer = plain_trainer
     x, y = dataset(n=64).tensors[1:]
-    try:
-        batches = trainer.batches((x, y), batch_size=16)
+    batches = trainer.batches((x, y), batch_size=16)
+    next(batches)
+    trainer.skip_batch()                       # handed back: the loop may go on
+    xb, yb = next(batches)
+    F.cross_entropy(model(xb), yb).backward()  # accumulating: a second backward() before one step()
+    with pytest.raises(FailedPrecondition, match=r"without step\(\) or skip_batch\(\).*accumulation"):
         next(batches)
-        trainer.skip_batch()                       # handed back: the loop may go on
-        xb, yb = next(batches)
-        F.cross_entropy(model(xb), yb).backward()  # accumulating: a second backward() before one step()
-        with pytest.raises(FailedPrecondition, match=r"without step\(\) or skip_batch\(\).*accumulation"):
-            next(batches)
-        assert trainer.step_count == 0
-    finally:
-        trainer.close()
+    assert trainer.step_count == 0
 
 
 def bn_net(seed=0):
