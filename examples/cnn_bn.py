@@ -6,7 +6,9 @@
 The script keeps its DataLoader (shuffle, workers), its optimizer, its LR
 scheduler, its epoch loop and its evaluation after every epoch. Under shoal
 (``$SHOAL_CHIEF`` is set by ``shoal worker`` / ``shoal local``) three lines differ,
-marked ``# shoal``. ``--amp`` runs the forward pass under bf16 autocast.
+marked ``# shoal``. ``--device cuda`` trains on the GPU (the DataLoader pins its
+batches); ``--amp`` runs the forward pass under autocast: fp16 with a
+``GradScaler`` on CUDA, bf16 on the CPU.
 """
 from __future__ import annotations
 
@@ -32,12 +34,12 @@ def build_model() -> torch.nn.Module:
         torch.nn.Linear(64, 10))
 
 
-def evaluate(model: torch.nn.Module, loader: DataLoader) -> float:
+def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device) -> float:
     model.eval()
     correct = total = 0
     with torch.no_grad():
         for x, y in loader:
-            correct += (model(x).argmax(1) == y).sum().item()
+            correct += (model(x.to(device)).argmax(1).cpu() == y).sum().item()
             total += len(y)
     model.train()
     return correct / total
@@ -50,8 +52,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast for the forward pass")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--amp", action="store_true", help="autocast: fp16 with a GradScaler on CUDA, bf16 on the CPU")
     args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
     (xtr, ytr), (xte, yte) = load(args.seed)
@@ -59,30 +65,34 @@ def main() -> None:
     test = DataLoader(TensorDataset(xte.view(-1, 1, 8, 8), yte), batch_size=256)
     distributed = bool(os.environ.get("SHOAL_CHIEF"))
 
-    model = build_model()
+    model = build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     if distributed:
         opt = DistributedOptimizer(opt, model)                                                     # shoal
     sampler = DistributedSampler(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed) \
         if distributed else None                                                                   # shoal
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                        num_workers=args.loader_workers)                                           # shoal
+                        num_workers=args.loader_workers, pin_memory=device.type == "cuda")          # shoal
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    fp16 = args.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)    # skips a step whose gradients overflow
 
     acc = 0.0
     for epoch in range(args.epochs):
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
+            with torch.autocast(device.type, dtype=torch.float16 if fp16 else torch.bfloat16, enabled=args.amp):
                 loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         sched.step()
-        acc = evaluate(model, test)
+        acc = evaluate(model, test, device)
         log.info("epoch %d: test accuracy %.4f (lr %.5f)", epoch, acc, sched.get_last_lr()[0])
     if distributed:                 # the job's final weights and statistics, for the run summary
         opt.synchronize()
-        acc = evaluate(model, test)
+        acc = evaluate(model, test, device)
         opt.report(test_accuracy=acc)
     log.info("test accuracy %.4f", acc)
 
