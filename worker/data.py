@@ -54,6 +54,10 @@ class TaskFeed:
         # flight elsewhere); cleared when a task or the end arrives
         self.starved = threading.Event()
         self.epochs_open = 0         # data epochs the chief has started handing out (newest reply)
+        # cleared once the worker takes no more tasks (its last epoch's iteration ended): the feed
+        # then only reports, and hands back whatever still arrives
+        self._fetching = True
+        self._queue_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="task-feed", daemon=True)
         self._thread.start()
 
@@ -105,12 +109,17 @@ class TaskFeed:
                 self._space.acquire()
                 if self._stop.is_set():
                     return
-                reply = self._request(1)
+                reply = self._request(1 if self._fetching else 0)
                 self.epochs_open = max(self.epochs_open, reply.data_epochs_open)
                 if reply.tasks:
                     self.starved.clear()
-                    for t in reply.tasks:
-                        self._ready.put((convert.task_from_pb(t), t.token))
+                    with self._queue_lock:
+                        items = [(convert.task_from_pb(t), t.token) for t in reply.tasks]
+                        if self._fetching:
+                            for item in items:
+                                self._ready.put(item)
+                            continue
+                    self._give_back(items)
                     continue
                 self._space.release()
                 if reply.finished:
@@ -118,7 +127,8 @@ class TaskFeed:
                     self._ready.put(_END)
                     return
                 self.starved.set()
-                self._stop.wait(self._poll_s)  # tasks are in flight elsewhere and may come back
+                # tasks are in flight elsewhere and may come back; a worker done taking tasks only reports
+                self._stop.wait(self._poll_s if self._fetching else _POLL_S)
         except Exception as exc:  # noqa: BLE001 - hand the failure to the training thread
             self._ready.put(exc)
 
@@ -129,6 +139,33 @@ class TaskFeed:
             self._done.append(task.task_id)
         if release:
             self._space.release()
+
+    def stop_fetching(self, also: list[tuple[Task, bytes]] = ()) -> list[Task]:
+        """This worker takes no more tasks (its last epoch's iteration ended: a task that came now would
+        wait for a loop that is over). Tasks already queued, and any that arrive later, go back to the
+        chief for a worker still training, with ``also`` (tasks the caller took and will not train);
+        finished tasks and dropped batches are still reported."""
+        with self._queue_lock:
+            self._fetching = False
+            items, keep = list(also), []
+            while True:
+                try:
+                    item = self._ready.get_nowait()
+                except queue.Empty:
+                    break
+                (keep if item is _END or isinstance(item, Exception) else items).append(item)
+            for item in keep:
+                self._ready.put(item)
+        self._give_back(items)
+        return [task for task, _ in items]
+
+    def _give_back(self, items: list[tuple[Task, bytes]]) -> None:
+        """Whole tasks this worker will not train: each goes back as a dropped range, and is done here."""
+        for task, _ in items:
+            log.info("handing task %d (epoch %d, samples [%d, %d)) back to the chief: this worker's last epoch "
+                     "is over", task.task_id, task.epoch, task.start, task.stop)
+            self.drop(task.epoch, task.start, task.stop, task.task_id)
+            self.mark_done(task)
 
     def release(self) -> None:
         """Frees one prefetch slot: the feed may fetch another task."""

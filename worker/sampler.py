@@ -102,6 +102,16 @@ class DistributedSampler(Sampler[int]):
             yield from self._hand_out(task, token, feed)
         for task, token in partial:
             yield from self._hand_out(task, token, feed)
+        if epoch == self.epochs - 1:
+            self._last_iteration_over(feed)
+
+    def _last_iteration_over(self, feed: TaskFeed) -> None:
+        """The job's last epoch is over here, and the user's loop with it: a task that reached this worker
+        after the iteration ended (a batch another worker's sync round dropped, re-queued by the chief)
+        would never be trained. It goes back to the chief for the workers still iterating, and so does
+        any that comes later."""
+        later, self._later = list(self._later), collections.deque()
+        feed.stop_fetching(later)
 
     def _take(self, epoch: int, feed: TaskFeed, holding: bool) -> tuple[Task, bytes] | None:
         """The next task of ``epoch`` (or an earlier one) for this worker; None when the epoch is over here.

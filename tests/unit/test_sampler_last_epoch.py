@@ -1,0 +1,96 @@
+"""The sampler's last epoch: a task that comes back after a worker's loop ended goes to one still training.
+
+Found on a GPU (sync, 2 workers, fast steps): a batch a sync round dropped was re-queued by the chief
+after the worker holding the epoch's short task had ended its last iteration. That worker's feed
+fetched it anyway, the loop that would have trained it was over, and the job ended one batch short
+with exit 0.
+"""
+import time
+import types
+
+import pytest
+
+from harness import wait_until
+from shoal.chief.servicer import ChiefServicer
+from shoal.chief.state import ChiefState
+from shoal.config import JobConfig
+from shoal.convert import layout_to_pb
+from shoal.dataset import DatasetSpec
+from shoal.layout import ModelLayout, TensorSpec
+from shoal.proto import shoal_pb2 as pb
+from shoal.worker.data import TaskFeed
+from shoal.worker.sampler import DistributedSampler
+
+SIZE, BATCH = 60, 8          # 8 batches; the last task's last batch is short (4 samples)
+SPEC = DatasetSpec(size=SIZE, batch_size=BATCH, epochs=1, batches_per_task=2)
+
+
+class Stub:
+    def __init__(self, servicer):
+        self.servicer = servicer
+
+    def GetTasks(self, req, timeout=None):
+        return self.servicer.GetTasks(req, None)
+
+
+def fake_trainer(stub, member):
+    t = types.SimpleNamespace(chief=types.SimpleNamespace(stub=stub, join=None), member_id=member, _feed=None,
+                              finished=[])
+    t._task_finished = t.finished.append
+    return t
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_dropped_after_another_workers_last_epoch_ended_is_trained_by_a_worker_still_in_it():
+    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
+    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
+    a, b = (svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id for _ in range(2))
+    stub = Stub(svc)
+    # B takes the first two tasks and sits on them, as a worker training slower would
+    feed_b = TaskFeed(stub, lambda: b, SPEC, prefetch=2, poll_s=0.01)
+    held = [feed_b.poll(5.0) for _ in range(2)]
+    assert all(isinstance(item, tuple) for item in held)
+    # A's sampler gets the other two; its last epoch ends once nothing more is free (B holds the rest)
+    trainer_a = fake_trainer(stub, a)
+    sampler = DistributedSampler(range(SIZE), batch_size=BATCH, epochs=1, shuffle=False,
+                                 batches_per_task=2, trainer=trainer_a)
+    indices = list(sampler)
+    assert len(indices) == SIZE - sum(t.stop - t.start for t, _ in held)
+    while (batch := sampler._next_batch()) is not None:      # A's loop steps every batch it was given
+        sampler._stepped(batch)
+    # B's sync round drops one batch of its first task; B's feed is full, so it reports the drop
+    # without asking for a task, and the chief re-queues the batch for whoever asks first
+    first, _ = held[0]
+    feed_b.drop(first.epoch, first.start, first.start + BATCH, first.task_id)
+    feed_b.flush()
+    time.sleep(0.3)                      # A's feed polls every 50 ms: six chances to take it
+    dropped = (first.start, first.start + BATCH)
+    assert dropped not in [(t.start, t.stop) for t in svc.state.tasks.held_by(a)], \
+        "a worker whose last epoch is over took the re-queued batch"
+    for task, _ in held:
+        feed_b.mark_done(task)
+    item = feed_b.poll(5.0)
+    assert isinstance(item, tuple), "the dropped batch never reached the worker still training"
+    task, _ = item
+    assert (task.epoch, task.start, task.stop) == (0, first.start, first.start + BATCH)
+    feed_b.mark_done(task)
+    wait_until(lambda: svc.state.tasks.held_by(a) == [], what="A to report its tasks done")
+    wait_until(lambda: svc.state.tasks.finished, what="the job's data to be done")
+    feed_b.close()
+    trainer_a._feed.close()
+
+
+@pytest.mark.timeout(60)
+def test_tasks_queued_when_the_last_epoch_ends_go_back_to_the_chief():
+    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
+    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
+    a, b = (svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id for _ in range(2))
+    stub = Stub(svc)
+    feed = TaskFeed(stub, lambda: a, SPEC, prefetch=3, poll_s=0.01)
+    wait_until(lambda: feed._ready.qsize() == 3, what="three tasks prefetched")
+    back = feed.stop_fetching()
+    assert len(back) == 3
+    wait_until(lambda: svc.state.tasks.held_by(a) == [], what="the chief to take the tasks back")
+    got = svc.GetTasks(pb.TaskRequest(member_id=b, max_tasks=8), None).tasks
+    assert sorted((t.start, t.stop) for t in got) == sorted([(t.start, t.stop) for t in back] + [(48, 60)])
+    feed.close()
