@@ -464,24 +464,14 @@ class PushHeader(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., has_batch: _Optional[bool] = ..., task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ..., more_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ...) -> None: ...
 
 class PushBatch(_message.Message):
-    __slots__ = ("task_id", "attempt", "token", "data_epoch", "task_start", "task_stop", "batch_start", "batch_stop")
-    TASK_ID_FIELD_NUMBER: _ClassVar[int]
-    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
-    DATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    TASK_START_FIELD_NUMBER: _ClassVar[int]
-    TASK_STOP_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("task", "batch_start", "batch_stop")
+    TASK_FIELD_NUMBER: _ClassVar[int]
     BATCH_START_FIELD_NUMBER: _ClassVar[int]
     BATCH_STOP_FIELD_NUMBER: _ClassVar[int]
-    task_id: int
-    attempt: int
-    token: bytes
-    data_epoch: int
-    task_start: int
-    task_stop: int
+    task: Task
     batch_start: int
     batch_stop: int
-    def __init__(self, task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ...) -> None: ...
+    def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "version", "reason", "duplicate", "applied_before")

@@ -162,16 +162,18 @@ class DataServicer:
             if head.more_batches:
                 raise InvalidArgument("a push names more_batches but no first batch (has_batch is false)")
             return ()
+        named = [(pb.Task(task_id=head.task_id, epoch=head.data_epoch, start=head.task_start, stop=head.task_stop,
+                          attempt=head.attempt, token=head.token), head.batch_start, head.batch_stop)]
+        named += [(b.task, b.batch_start, b.batch_stop) for b in head.more_batches]
         keys = []
-        for b in (head, *head.more_batches):
-            if self.host.secret and not tokens.verify(self.host.secret, b.token, head.worker_id, b.task_id,
-                                                      b.attempt, b.data_epoch, b.task_start, b.task_stop):
-                raise PermissionDenied(f"worker {head.worker_id} does not hold task {b.task_id} "
-                                       f"(attempt {b.attempt}): its token does not verify")
-            if not b.task_start <= b.batch_start < b.batch_stop <= b.task_stop:
-                raise InvalidArgument(f"batch [{b.batch_start}, {b.batch_stop}) lies outside task "
-                                      f"{b.task_id} [{b.task_start}, {b.task_stop})")
-            keys.append(BatchKey(b.data_epoch, b.batch_start))
+        for t, start, stop in named:
+            if self.host.secret and not tokens.verify(self.host.secret, t.token, head.worker_id, t.task_id,
+                                                      t.attempt, t.epoch, t.start, t.stop):
+                raise PermissionDenied(f"worker {head.worker_id} does not hold task {t.task_id} "
+                                       f"(attempt {t.attempt}): its token does not verify")
+            if not t.start <= start < stop <= t.stop:
+                raise InvalidArgument(f"batch [{start}, {stop}) lies outside task {t.task_id} [{t.start}, {t.stop})")
+            keys.append(BatchKey(t.epoch, start))
         if len(set(keys)) != len(keys):
             raise InvalidArgument(f"a push names a batch twice: {[(k.epoch, k.start) for k in keys]}")
         if all(k.epoch < self.host.completed_epochs for k in keys):

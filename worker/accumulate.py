@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
+from shoal import convert
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 
@@ -33,10 +34,8 @@ def header_fields(group: Group) -> dict:
         return {}
     fields = group[0].header_fields()
     if len(group) > 1:
-        fields["more_batches"] = [
-            pb.PushBatch(task_id=b.task.task_id, attempt=b.task.attempt, token=b.token, data_epoch=b.task.epoch,
-                         task_start=b.task.start, task_stop=b.task.stop, batch_start=b.start, batch_stop=b.stop)
-            for b in group[1:]]
+        fields["more_batches"] = [pb.PushBatch(task=convert.task_to_pb(b.task, b.token), batch_start=b.start,
+                                               batch_stop=b.stop) for b in group[1:]]
     return fields
 
 
