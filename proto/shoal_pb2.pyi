@@ -411,7 +411,7 @@ class InitReply(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples", "has_batch", "task_id", "attempt", "token", "data_epoch", "task_start", "task_stop", "batch_start", "batch_stop", "hparams")
+    __slots__ = ("worker_id", "shard", "layout_fingerprint", "version", "codec", "offset", "numel", "key", "view_epoch", "samples", "has_batch", "task_id", "attempt", "token", "data_epoch", "task_start", "task_stop", "batch_start", "batch_stop", "hparams", "more_batches")
     class HparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +439,7 @@ class PushHeader(_message.Message):
     BATCH_START_FIELD_NUMBER: _ClassVar[int]
     BATCH_STOP_FIELD_NUMBER: _ClassVar[int]
     HPARAMS_FIELD_NUMBER: _ClassVar[int]
+    MORE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shard: int
     layout_fingerprint: str
@@ -459,19 +460,32 @@ class PushHeader(_message.Message):
     batch_start: int
     batch_stop: int
     hparams: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., has_batch: _Optional[bool] = ..., task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    more_batches: _containers.RepeatedCompositeFieldContainer[PushBatch]
+    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., key: _Optional[str] = ..., view_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., has_batch: _Optional[bool] = ..., task_id: _Optional[int] = ..., attempt: _Optional[int] = ..., token: _Optional[bytes] = ..., data_epoch: _Optional[int] = ..., task_start: _Optional[int] = ..., task_stop: _Optional[int] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ..., more_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ...) -> None: ...
+
+class PushBatch(_message.Message):
+    __slots__ = ("task", "batch_start", "batch_stop")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_START_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STOP_FIELD_NUMBER: _ClassVar[int]
+    task: Task
+    batch_start: int
+    batch_stop: int
+    def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., batch_start: _Optional[int] = ..., batch_stop: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "version", "reason", "duplicate")
+    __slots__ = ("accepted", "version", "reason", "duplicate", "applied_before")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     version: int
     reason: str
     duplicate: bool
-    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    applied_before: _containers.RepeatedCompositeFieldContainer[BatchRange]
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., duplicate: _Optional[bool] = ..., applied_before: _Optional[_Iterable[_Union[BatchRange, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("shard", "min_version", "timeout_seconds", "codec", "layout_fingerprint", "since_version")

@@ -155,21 +155,31 @@ class DataServicer:
             push.place(head, decode_chunk(head.codec, payload, head.numel), fresh=head.codec not in ("", "none"))
         return push.finish(nbytes).SerializeToString()
 
-    def batch_of(self, head: pb.PushHeader) -> BatchKey | None:
-        """Checks a push's claim to its data: a task token the chief signed, a batch inside it."""
+    def batches_of(self, head: pb.PushHeader) -> tuple[BatchKey, ...]:
+        """Checks a push's claim to its data: for each batch it names (several when the gradient was
+        accumulated over micro-batches), a task token the chief signed and a batch inside that task."""
         if not head.has_batch:
-            return None
-        if self.host.secret and not tokens.verify(self.host.secret, head.token, head.worker_id, head.task_id,
-                                                  head.attempt, head.data_epoch, head.task_start, head.task_stop):
-            raise PermissionDenied(f"worker {head.worker_id} does not hold task {head.task_id} "
-                                   f"(attempt {head.attempt}): its token does not verify")
-        if not head.task_start <= head.batch_start < head.batch_stop <= head.task_stop:
-            raise InvalidArgument(f"batch [{head.batch_start}, {head.batch_stop}) lies outside task "
-                                  f"{head.task_id} [{head.task_start}, {head.task_stop})")
-        if head.data_epoch < self.host.completed_epochs:
-            raise FailedPrecondition(f"epoch {head.data_epoch} is over (the job has completed "
+            if head.more_batches:
+                raise InvalidArgument("a push names more_batches but no first batch (has_batch is false)")
+            return ()
+        named = [(pb.Task(task_id=head.task_id, epoch=head.data_epoch, start=head.task_start, stop=head.task_stop,
+                          attempt=head.attempt, token=head.token), head.batch_start, head.batch_stop)]
+        named += [(b.task, b.batch_start, b.batch_stop) for b in head.more_batches]
+        keys = []
+        for t, start, stop in named:
+            if self.host.secret and not tokens.verify(self.host.secret, t.token, head.worker_id, t.task_id,
+                                                      t.attempt, t.epoch, t.start, t.stop):
+                raise PermissionDenied(f"worker {head.worker_id} does not hold task {t.task_id} "
+                                       f"(attempt {t.attempt}): its token does not verify")
+            if not t.start <= start < stop <= t.stop:
+                raise InvalidArgument(f"batch [{start}, {stop}) lies outside task {t.task_id} [{t.start}, {t.stop})")
+            keys.append(BatchKey(t.epoch, start))
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument(f"a push names a batch twice: {[(k.epoch, k.start) for k in keys]}")
+        if all(k.epoch < self.host.completed_epochs for k in keys):
+            raise FailedPrecondition(f"epoch {keys[0].epoch} is over (the job has completed "
                                      f"{self.host.completed_epochs} epoch(s))")
-        return BatchKey(head.data_epoch, head.batch_start)
+        return tuple(keys)
 
     def PushOne(self, request: bytes, context) -> bytes:
         """Unary Push of a single frame: several times cheaper per call than a stream in gRPC Python."""
@@ -275,9 +285,16 @@ class PushAssembly:
             raise InvalidArgument(f"push covers {self.covered} of shard {first.shard}'s {shard.numel} elements")
         self.servicer.host.count(inbound=nbytes)
         grad = self.grad if self.grad is not None else torch.empty(0, dtype=torch.float32)
-        r = shard.push(first.worker_id, first.version, grad, first.key, self.servicer.batch_of(first),
+        batches = self.servicer.batches_of(first)
+        over = tuple(k for k in batches if k.epoch < self.servicer.host.completed_epochs)
+        if over:        # a group that reaches into an epoch already over: not applied, the rest goes back
+            return pb.PushReply(accepted=False, version=shard.version, duplicate=True,
+                                reason=f"batch {over[0].epoch}/{over[0].start} belongs to an epoch that is over",
+                                applied_before=[pb.BatchRange(epoch=k.epoch, start=k.start) for k in over])
+        r = shard.push(first.worker_id, first.version, grad, first.key, batches=batches,
                        owned=self.owned, sparse=self.sparse, hparams=dict(first.hparams))
-        return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate)
+        return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate,
+                            applied_before=[pb.BatchRange(epoch=k.epoch, start=k.start) for k in r.applied])
 
 
 class StatusServicer(pb_grpc.ParameterServerServicer):

@@ -50,6 +50,7 @@ class PushResult:
     version: int
     reason: str = ""
     duplicate: bool = False
+    applied: tuple[BatchKey, ...] = ()    # the named batches that were applied before (a refused duplicate)
 
 
 @dataclass(frozen=True)
@@ -127,17 +128,20 @@ class Shard:
 
     def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "",
              batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
-             sparse: bool = False, hparams: dict[str, float] | None = None) -> PushResult:
+             sparse: bool = False, hparams: dict[str, float] | None = None,
+             batches: tuple[BatchKey, ...] = ()) -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
         ``batch`` names the data it came from (applied at most once per epoch,
-        whoever pushes it). ``owned``: the shard may keep and modify ``grad``. An ``ssp`` push that is too far ahead waits up to
+        whoever pushes it); ``batches`` names several, for a gradient accumulated over micro-batches:
+        if any of them was applied before, the whole push is refused (its ``applied`` says which). ``owned``: the shard may keep and modify ``grad``. An ``ssp`` push that is too far ahead waits up to
         ``wait_s`` and then fails with a retryable ResourceExhausted. ``sparse``: the gradient is zero
         outside a few elements (top-k), which lets delta pulls send only what the update changed.
         ``hparams``: the user's current hyper-parameters (``"0.lr"``, ...; an LR scheduler's); the
         update that applies this push steps with the newest a push of its round carried.
         """
+        named = (batch, *batches) if batch is not None else tuple(batches)
         if grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
         bad = count_nonfinite(grad)
@@ -152,12 +156,13 @@ class Shard:
                 self._check_not_fenced()
                 if key and (key in self._keys or key in self._round_keys):
                     return PushResult(True, self.version, "duplicate key", duplicate=True)
-                if batch is not None:
-                    owner = self.ledger.owner(batch) or self._round_batches.get(batch)
-                    if owner is not None:
-                        self.stats.pushes_dropped += 1
-                        return PushResult(False, self.version, f"batch {batch.epoch}/{batch.start} was applied "
-                                          f"by push {owner}", duplicate=True)
+                owners = {b: self.ledger.owner(b) or self._round_batches.get(b) for b in named}
+                applied = tuple(b for b, owner in owners.items() if owner is not None)
+                if applied:
+                    self.stats.pushes_dropped += 1
+                    b = applied[0]
+                    return PushResult(False, self.version, f"batch {b.epoch}/{b.start} was applied by push "
+                                      f"{owners[b]}", duplicate=True, applied=applied)
                 verdict = Admission(Action.WAIT, f"shard {self.shard_id} is frozen at version {self.version} for "
                                     f"a checkpoint") if self._holding() else \
                     self.rule.admit(PushContext(worker, version, self.version, self._round_workers,
@@ -186,8 +191,8 @@ class Shard:
                 self._round_hparams.update(hparams)
             if key:
                 self._round_keys.append(key)
-            if batch is not None:
-                self._round_batches[batch] = key or worker
+            for b in named:
+                self._round_batches[b] = key or worker
             self.stats.pushes_applied += 1
             self._maybe_close_round()
             return PushResult(True, self.version)

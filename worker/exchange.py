@@ -20,6 +20,7 @@ import torch
 
 from shoal.dataset import Task
 from shoal.proto import shoal_pb2 as pb
+from shoal.worker import accumulate
 from shoal.worker.ps_client import is_uninitialised
 from shoal.worker.routes import is_failover, went_back
 
@@ -82,24 +83,49 @@ class ShardExchange:
                                                        resend=True), list(self._clients)))
         return replies
 
+    def _current_group(self, n: int = 1) -> tuple[BatchContext, ...]:
+        """The batches this step's push names: the one :meth:`batches` yielded, or the next ``n`` a
+        sampler recorded (``n`` > 1: the gradient was accumulated over micro-batches)."""
+        if not self._group:
+            if self._batch_source is not None:
+                self._group = tuple(b for b in (self._batch_source() for _ in range(n)) if b is not None)
+            elif self._batch is not None:
+                self._group = (self._batch,)
+        return self._group
+
+    def _settle_group(self, group: tuple[BatchContext, ...], replies: list[pb.PushReply]) -> None:
+        """After a push: hands back the batches some shard did not apply, records the tasks' progress
+        and tells a sampler which batches were stepped (a task whose batches all were is done)."""
+        if group and self._feed is not None:
+            for b in accumulate.to_hand_back(group, replies):
+                self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
+            with self._counter_lock:
+                for b in group:
+                    self._progress[b.task.task_id] = b.stop
+        self._group = ()
+        if self._batch_source is not None:
+            self._batch = None
+            for b in group if self._batch_done is not None else ():
+                self._batch_done(b)
+
     def _key_base(self) -> str:
-        batch = self._batch
+        batch = self._group[0] if self._group else None
         if batch is not None:
             return f"{self.member_id}/{batch.task.task_id}.{batch.task.attempt}/{batch.start}"
         return f"{self.member_id}/step{self.step_count}"
 
     def _launch_push(self, shard: int, versions: dict[int, int] | None = None):
         """Submits shard's push for the current step to the pool (from step() or a backward hook)."""
-        batch = self._current_batch()
+        group = self._current_group()
         version = (versions or self._step_versions)[shard]
-        samples = batch.stop - batch.start if batch is not None else 0
+        samples = sum(b.stop - b.start for b in group)
         self.buffers.fill_deltas(self.flat_grads)    # the forward passes since the last pull moved them
         ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
         hparams = self._hparams_source() if self._hparams_source is not None else None   # read here: main thread
-        return self._pool.submit(self._push, shard, version, self._key_base(), samples, batch, ready, hparams)
+        return self._pool.submit(self._push, shard, version, self._key_base(), samples, group, ready, hparams)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
-              batch: BatchContext | None, ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
+              group: tuple[BatchContext, ...], ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
         a, b = self.plan.ranges[shard]
         if self.encoder.tag == "none" and not self.momentum.active(shard):
             grad = self.staging.host_grads(shard, ready)      # raw fp32 leaves from host memory
@@ -113,7 +139,7 @@ class ShardExchange:
             if self.encoder.tag == "none":
                 grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
-        extra = batch.header_fields() if batch is not None else {}
+        extra = accumulate.header_fields(group)
         if hparams:
             extra["hparams"] = hparams
         sent = SentPush(chunks, version, f"{key_base}/{shard}", samples, extra)

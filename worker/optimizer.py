@@ -13,6 +13,16 @@ parameters cover. Each push carries the groups' current float
 hyper-parameters (``lr``, ``momentum``, ``betas``, ...), so a scheduler stepping
 this optimizer changes the servers' learning rate from the next step on.
 
+Gradient accumulation over micro-batches works as in plain PyTorch: several ``loss.backward()``
+then one ``step()`` push the summed gradient once, and the push names every batch of the
+:class:`~shoal.worker.DistributedSampler` those passes trained (one ``backward()`` per batch), so
+the parameter servers' ledger counts each of them once. ``backward_passes_per_step=k`` (Horovod's
+name) suits a loop that calls ``zero_grad()``/``backward()``/``step()`` on every batch: ``step()``
+pushes only after the k-th backward pass, and ``zero_grad()`` keeps the gradients in between.
+The push is the gradient as the loop left it, like DDP's and Horovod's: divide the loss by k for
+the mean over the micro-batches; a sync round averages the workers' pushes, one each
+(:mod:`shoal.worker.accumulate`).
+
 ``state_dict()`` / ``load_state_dict()`` are torch's: the param groups (the
 hyper-parameters a scheduler set) round-trip; the optimizer's moments live on
 the parameter servers and are saved by the job's checkpoints (``--checkpoint-dir``).
@@ -26,9 +36,10 @@ from typing import Any
 import torch
 
 from shoal.config import UNSUPPORTED_TORCH_OPTIMIZERS, OptimizerSpec, ParamGroupSpec
-from shoal.errors import FailedPrecondition, InvalidArgument
+from shoal.errors import InvalidArgument
 from shoal.layout import ModelLayout
 from shoal.optim import OPTIMIZERS, numeric_hparams
+from shoal.worker.accumulate import Accumulation
 from shoal.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -104,31 +115,31 @@ class _Distributed:
     _shoal: Trainer
 
     def step(self, closure: Any = None) -> Any:
-        """Pushes this step's gradients (with the groups' current hyper-parameters) and pulls the weights."""
+        """Pushes the gradients of the backward passes since the last push (with the groups' current
+        hyper-parameters) and pulls the weights; with ``backward_passes_per_step=k``, only once the
+        k-th pass is done (before, it returns at once and the gradients keep accumulating)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        passes = max(self._shoal_passes.values(), default=0)
-        self._shoal_passes.clear()
-        if passes > 1 and self._shoal._batch_source is not None:
-            raise FailedPrecondition(
-                f"step() after {passes} backward passes: gradient accumulation over micro-batches is not "
-                f"supported with DistributedSampler yet (each push names one batch for the exactly-once "
-                f"ledger); call step() after every backward(), or use a larger batch_size")
-        self._shoal.step()
-        self._shoal_stepped = True
+        if not self._shoal_acc.due():
+            return loss
+        passes = self._shoal_acc.reset()
+        if not passes and all(p.grad is None for g in self.param_groups for p in g["params"]):
+            return loss             # nothing to push: torch's step() leaves parameters without a gradient
+        self._shoal.step(batches=max(1, passes))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the gradients. Gradients left from a backward() that no step() followed mean the
-        step was skipped (a GradScaler found inf/nan): nothing was pushed, and its batch goes back
-        to the chief to be trained again."""
-        if not getattr(self, "_shoal_stepped", True) and any(
-                p.grad is not None for g in self.param_groups for p in g["params"]):
-            self._shoal.skip_batch()
-        self._shoal_stepped = False
-        self._shoal_passes.clear()
+        """Clears the gradients (with ``backward_passes_per_step=k``: only once k passes were pushed).
+        Gradients left from backward() passes that no step() pushed mean the step was skipped (a
+        GradScaler found inf/nan): nothing was pushed, and their batches go back to the chief to be
+        trained again."""
+        acc = self._shoal_acc
+        if acc.accumulating():
+            return
+        if acc.passes:                  # passes no push took
+            self._shoal.skip_batch(batches=acc.reset())
         self._shoal.zero_grad()
 
     @property
@@ -152,10 +163,15 @@ class _Distributed:
             trainer.close()
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, **trainer_options: Any):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+                         backward_passes_per_step: int | None = None, **trainer_options: Any):
     """Wraps the user's optimizer: same class, param groups and hyper-parameters, run on the shards.
 
-    ``trainer_options`` go to :class:`Trainer` (``chief``, ``compression``, ``transport``, ...);
+    ``backward_passes_per_step``: ``None`` (default) pushes at each ``step()`` what the backward
+    passes before it summed (several passes: gradient accumulation, the push names all their
+    batches); ``k`` pushes at the ``step()`` that follows the k-th pass only, earlier ``step()`` and
+    ``zero_grad()`` calls leave the gradients accumulating, and more than k passes before a step
+    is an error. ``trainer_options`` go to :class:`Trainer` (``chief``, ``compression``, ``transport``, ...);
     ``overlap`` is off unless asked for, so gradients are pushed as the loop leaves them at ``step()``.
     The object returned shares the user's ``param_groups`` and ``state``: a scheduler made on either
     steers the servers.
@@ -164,6 +180,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         raise InvalidArgument(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _Distributed):
         raise InvalidArgument("this optimizer is already a DistributedOptimizer")
+    Accumulation((), backward_passes_per_step, trainer_options.get("overlap", False))  # checked before joining
     spec = spec_from_torch(optimizer, model)
     # pushes start at step(), after whatever the loop does to the gradients (clipping, a GradScaler's
     # unscale_); overlap=True starts each shard's push during backward() instead, for speed
@@ -175,15 +192,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     trainer = Trainer(model, optimizer=spec, hparams_source=lambda: numeric_hparams(
         enumerate(wrapped.param_groups)), **trainer_options)
     wrapped._shoal = trainer
-    wrapped._shoal_passes = passes = {}            # backward passes per parameter since the last step
-
-    def count(p: torch.Tensor) -> None:
-        passes[id(p)] = passes.get(id(p), 0) + 1
-
-    for group in wrapped.param_groups:
-        for p in group["params"]:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(count)
+    # backward passes since the last push; the trainer's sampler keeps the batches they trained
+    wrapped._shoal_acc = trainer.accumulation = Accumulation(
+        [p for g in wrapped.param_groups for p in g["params"]], backward_passes_per_step,
+        trainer._readiness is not None)
     _active.append(trainer)
     atexit.register(wrapped.close)
     log.debug("optimizer %s runs on the parameter servers as %s", base.__name__, spec.name)

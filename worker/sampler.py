@@ -25,6 +25,8 @@ not match is the DataLoader's ``drop_last`` or a loop that skips steps: the
 sampler then hands the batches it cannot account for back to the chief). A
 task's last partial batch is handed out last in its iteration, so the
 DataLoader's grouping of indices into batches stays aligned with the tasks.
+A step after several backward passes (gradient accumulation) takes as many
+records, one per pass, from one task or several.
 """
 from __future__ import annotations
 
@@ -196,12 +198,15 @@ class DistributedSampler(Sampler[int]):
 
     def _settle_unstepped(self) -> None:
         """Batches handed out in an earlier iteration but never stepped (``drop_last``, a ``break``)
-        go back to the chief, to be trained by whoever takes them next."""
-        if not self._records:
-            return
-        log.info("%d batch(es) handed to the DataLoader were not trained (drop_last or a loop that stopped "
-                 "early); handing them back to the chief", len(self._records))
+        go back to the chief, to be trained by whoever takes them next; those whose gradients are
+        accumulating for the next push (its backward passes so far) stay for that push."""
+        acc = self._trainer.accumulation
+        kept = [self._records.popleft() for _ in range(min(len(self._records), acc.passes if acc else 0))]
+        if self._records:
+            log.info("%d batch(es) handed to the DataLoader were not trained (drop_last or a loop that stopped "
+                     "early); handing them back to the chief", len(self._records))
         while self._records:
             b = self._records.popleft()
             self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
             self._stepped(b)
+        self._records.extend(kept)

@@ -116,7 +116,9 @@ class Trainer(ShardExchange):
             self.optimizer = dataclasses.replace(self.optimizer, buffers=self.buffers.ranges)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
-        self._batch: BatchContext | None = None
+        self._batch: BatchContext | None = None         # the batch batches() yielded last
+        self._group: tuple[BatchContext, ...] = ()      # the batches the next push names
+        self.accumulation: Any = None    # a DistributedOptimizer's: backward passes not pushed yet (accumulate.py)
         self._progress: dict[int, int] = {}
         self._step_seconds = 0.0
         self._last_step_end = 0.0
@@ -300,7 +302,7 @@ class Trainer(ShardExchange):
                 g.copy_(p.grad)
                 p.grad = g
 
-    def step(self, samples: int = 0, loss: Any = None) -> None:
+    def step(self, samples: int = 0, loss: Any = None, batches: int = 1) -> None:
         """Pushes this step's gradients to every shard and pulls the new weights.
 
         ``loss`` (a float or the loss tensor, optional) goes to TensorBoard, the metrics,
@@ -308,29 +310,20 @@ class Trainer(ShardExchange):
 
         Inside :meth:`batches` the push names its batch, so every shard applies
         that batch at most once; a batch some shard dropped (a late gradient in
-        a sync round) is handed back to the chief to be trained again.
+        a sync round) is handed back to the chief to be trained again. With a
+        sampler, the push names its next ``batches`` batches (gradient accumulation).
         """
         t0 = time.perf_counter()
         early = self._readiness.take() if self._readiness is not None else {}
         self._gather_grads()
-        batch = self._current_batch()
-        if batch is not None:
-            samples = samples or batch.stop - batch.start
+        group = self._current_group(batches)
+        samples = samples or sum(b.stop - b.start for b in group)
         versions = self._step_versions if early else dict(self.versions)
         futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
         by_shard = self._push_then_pull(futures, versions)
         self.staging.before_compute()
         self.buffers.load(self.flat_weights)
-        replies = list(by_shard.values())
-        if batch is not None and self._feed is not None:
-            if any(not r.accepted and not r.duplicate for r in replies):
-                self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
-            with self._counter_lock:
-                self._progress[batch.task.task_id] = batch.stop
-        if self._batch_source is not None:
-            self._batch = None
-            if batch is not None and self._batch_done is not None:
-                self._batch_done(batch)
+        self._settle_group(group, list(by_shard.values()))
         self.step_count += 1
         now = time.perf_counter()
         with self._counter_lock:
@@ -342,12 +335,6 @@ class Trainer(ShardExchange):
             self._last_step_end = now
         after_step(self, t0, samples, loss, versions, by_shard, self._bytes_at_step)
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
-
-    def _current_batch(self) -> BatchContext | None:
-        """The batch this step pushes: from :meth:`batches`, or the next one a sampler recorded."""
-        if self._batch is None and self._batch_source is not None:
-            self._batch = self._batch_source()
-        return self._batch
 
     def pull(self) -> None:
         """Refreshes the local weights from every shard (e.g. before evaluating)."""
@@ -408,20 +395,22 @@ class Trainer(ShardExchange):
         ledger would misname the job's data either way."""
         raise FailedPrecondition(
             f"batches() yielded batch {batch.task.epoch}/{batch.start} and the loop asked for the next one "
-            f"without step() or skip_batch(): call step() once per batch (gradient accumulation over "
-            f"micro-batches is not supported: use a larger batch_size), or skip_batch() to hand a batch back")
+            f"without step() or skip_batch(): call step() once per batch, or skip_batch() to hand a batch back "
+            f"(for gradient accumulation over micro-batches, use DistributedOptimizer with DistributedSampler)")
 
-    def skip_batch(self) -> None:
+    def skip_batch(self, batches: int = 1) -> None:
         """The loop skipped this batch's step (an inf/nan gradient under a GradScaler): nothing is pushed,
-        and the batch goes back to the chief, so the ledger still gets every batch once."""
-        batch = self._current_batch()
-        if batch is None or self._feed is None:
+        and the batch (with a sampler: the next ``batches``, accumulated) goes back to the chief, so the
+        ledger still gets every batch once."""
+        group, self._group = self._current_group(batches), ()
+        if not group or self._feed is None:
             return
-        log.info("step skipped: batch %d/%d goes back to the chief", batch.task.epoch, batch.start)
-        self._feed.drop(batch.task.epoch, batch.start, batch.stop, batch.task.task_id)
+        log.info("step skipped: batch(es) %s go back to the chief", [f"{b.task.epoch}/{b.start}" for b in group])
+        for b in group:
+            self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
+            if self._batch_done is not None:
+                self._batch_done(b)
         self._batch = None
-        if self._batch_done is not None:
-            self._batch_done(batch)
 
     def _task_finished(self, task: Task) -> None:
         with self._counter_lock:

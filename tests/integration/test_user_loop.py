@@ -291,26 +291,6 @@ def test_grad_scaler_unscales_before_the_push_and_a_skipped_step_pushes_nothing(
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
 
 
-def test_accumulating_micro_batches_is_a_clear_error_not_a_misnamed_batch(cluster_factory):
-    c = cluster_factory(1, mode="async")
-    ds = dataset(n=64)
-    model = mlp()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, chief=c.chief_address,
-                               overlap=False)
-    loader = DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, batch_size=16, epochs=1))
-    try:
-        batches = iter(loader)
-        opt.zero_grad()
-        for _ in range(2):
-            _, x, y = next(batches)
-            F.cross_entropy(model(x), y).backward()
-        with pytest.raises(FailedPrecondition, match="step\\(\\) after 2 backward passes: gradient accumulation"):
-            opt.step()
-        assert opt.trainer.step_count == 0
-    finally:
-        opt.close()
-
-
 def test_gradients_clipped_between_backward_and_step_are_what_is_pushed(cluster_factory):
     c = cluster_factory(2, mode="async")
     ds = dataset(n=32)
