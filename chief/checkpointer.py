@@ -401,7 +401,7 @@ class Checkpointer:
 
     def _operator_credential(self) -> str:
         """Freeze, WriteShard and Thaw are the operator's: the chief signs its own credential."""
-        return auth.issue(auth.credential_key(self.state.secret), auth.OPERATOR_ID, auth.OPERATOR)
+        return auth.issue(self.state.secret, auth.OPERATOR_ID, auth.OPERATOR)
 
     def _client(self, address: str) -> ShardControlClient:
         c = self._clients.get(address)

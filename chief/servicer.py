@@ -18,7 +18,7 @@ from typing import Iterator
 from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
-from shoal import auth, convert
+from shoal import auth, convert, tokens
 from shoal.errors import InvalidArgument, Unavailable
 from shoal.members import Role
 from shoal.proto import shoal_pb2 as pb
@@ -44,7 +44,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
 
     def _credential_key(self) -> bytes:
-        return auth.credential_key(self.state.secret)
+        return tokens.public_key(self.state.secret)
 
     @property
     def lock(self) -> threading.Condition:
@@ -158,9 +158,9 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             ckpts = self.state.checkpoints
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
                                 view=self._view(), shard=shard,
-                                job_secret=self.state.secret if request.role == pb.PS else b"",
+                                verify_key=tokens.public_key(self.state.secret) if request.role == pb.PS else b"",
                                 restore_checkpoint=ckpts.restore_path() if ckpts and shard >= 0 else "",
-                                credential=auth.issue(self._credential_key(), m.member_id,
+                                credential=auth.issue(self.state.secret, m.member_id,
                                                       auth.PS if request.role == pb.PS else auth.WORKER))
 
     @grpc_errors

@@ -137,22 +137,22 @@ class ClusterView(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("member_id", "lease_seconds", "view", "shard", "job_secret", "restore_checkpoint", "credential")
+    __slots__ = ("member_id", "lease_seconds", "view", "shard", "restore_checkpoint", "credential", "verify_key")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
-    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     RESTORE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_KEY_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_seconds: float
     view: ClusterView
     shard: int
-    job_secret: bytes
     restore_checkpoint: str
     credential: str
-    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., job_secret: _Optional[bytes] = ..., restore_checkpoint: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
+    verify_key: bytes
+    def __init__(self, member_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shard: _Optional[int] = ..., restore_checkpoint: _Optional[str] = ..., credential: _Optional[str] = ..., verify_key: _Optional[bytes] = ...) -> None: ...
 
 class TaskProgress(_message.Message):
     __slots__ = ("task_id", "next_start")

@@ -41,7 +41,7 @@ class ShardHost:
         self.replicators: dict[int, Replicator] = {}
         self.primary_of: dict[int, str] = {}          # from the latest view
         self.live_workers: frozenset[str] = frozenset()
-        self.secret: bytes = b""
+        self.verify_key: bytes = b""    # the chief's public key (shoal.tokens): checks tokens and credentials
         self.credential = ""          # this ps's member credential from the chief (shoal.auth)
         self.completed_epochs = 0
         self.bytes_in = 0

@@ -65,7 +65,7 @@ class PSServer:
             self.stop(grace_s=0.2)
             raise
         job = convert.job_from_pb(reply.view.job)
-        self.host.secret = reply.job_secret
+        self.host.verify_key = reply.verify_key
         self.host.credential = reply.credential
         self.host.member_id = self.chief.member_id
         self.host.job = job

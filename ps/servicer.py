@@ -32,8 +32,8 @@ MAX_SHARD_NUMEL = 1 << 36    # elements of one shard (256 GiB of fp32): a larger
 
 
 def ps_guard(host: ShardHost) -> auth.Guard:
-    """Role checks on a ps: credentials verify with the key derived from the job's secret."""
-    return auth.Guard(lambda: auth.credential_key(host.secret) if host.secret else b"")
+    """Role checks on a ps: credentials verify with the chief's public key."""
+    return auth.Guard(lambda: host.verify_key)
 
 
 class DataServicer:
@@ -167,8 +167,8 @@ class DataServicer:
         named += [(b.task, b.batch_start, b.batch_stop) for b in head.more_batches]
         keys = []
         for t, start, stop in named:
-            if self.host.secret and not tokens.verify(self.host.secret, t.token, head.worker_id, t.task_id,
-                                                      t.attempt, t.epoch, t.start, t.stop):
+            if self.host.verify_key and not tokens.verify(self.host.verify_key, t.token, head.worker_id, t.task_id,
+                                                          t.attempt, t.epoch, t.start, t.stop):
                 raise PermissionDenied(f"worker {head.worker_id} does not hold task {t.task_id} "
                                        f"(attempt {t.attempt}): its token does not verify")
             if not t.start <= start < stop <= t.stop:

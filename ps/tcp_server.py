@@ -69,7 +69,7 @@ class DataChannelServer:
         self.ticket = secrets.token_bytes(tc.TICKET_BYTES)
         self.hello_timeout_s = HELLO_TIMEOUT_S
         self.max_connections = max_connections or _max_connections()
-        self._guard_key = lambda: auth.credential_key(servicer.host.secret) if servicer.host.secret else b""
+        self._guard_key = lambda: servicer.host.verify_key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -10,18 +10,17 @@ Two layers, both off unless a job token is configured (``--token-file`` or
   and load balancers keep working). The TCP data channel is reached through a
   ticket that only an authenticated ``OpenChannel`` hands out.
 - **A member credential** says which member (and role) a caller is. The chief
-  issues one at ``Join``: ``role:member:HMAC(key, role|member)``, the key derived
-  from the job's secret, which only the chief and the parameter servers hold. So
-  servers verify credentials without asking the chief, and a worker (who has the
-  token but not the key) cannot speak as a ps, as the chief's operator, or as
-  another worker. The chief's own calls (checkpoint freeze, thaw, write) carry
-  the ``operator`` credential.
+  issues one at ``Join``: ``role:member:signature``, the chief's Ed25519
+  signature of role and member (``shoal.tokens``). Servers verify it with the
+  chief's public key, without asking the chief; only the chief holds the
+  signing secret, so no worker and no parameter server can speak as another
+  member, as a ps, or as the chief's operator. The chief's own calls
+  (checkpoint freeze, thaw, write) carry the ``operator`` credential.
 
 The token never travels on a command line and is never logged.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -35,6 +34,7 @@ from typing import Callable
 
 import grpc
 
+from shoal import tokens
 from shoal.errors import InvalidArgument, PermissionDenied
 
 log = logging.getLogger(__name__)
@@ -111,17 +111,9 @@ def job_token() -> bytes | None:
 
 # ---------------------------------------------------------------- member credentials
 
-def credential_key(secret: bytes) -> bytes:
-    """The key members' credentials are signed with, derived from the job's secret (never sent itself)."""
-    return hmac.new(secret, b"shoal member credential v1", hashlib.sha256).digest()
-
-
-def issue(key: bytes, member: str, role: str) -> str:
-    return f"{role}:{member}:{_proof(key, member, role)}"
-
-
-def _proof(key: bytes, member: str, role: str) -> str:
-    return hmac.new(key, f"{role}|{member}".encode(), hashlib.sha256).hexdigest()
+def issue(secret: bytes, member: str, role: str) -> str:
+    """``member``'s credential for ``role``, signed by the holder of the job's ``secret`` (the chief)."""
+    return f"{role}:{member}:{tokens.sign_message(secret, tokens.CREDENTIAL, f'{role}|{member}').hex()}"
 
 
 @dataclass(frozen=True)
@@ -130,17 +122,32 @@ class Caller:
     role: str
 
 
+_VERIFIED_MAX = 4096
+_verified: dict[tuple[bytes, str], Caller] = {}     # credentials are checked on every call: remember good ones
+
+
 def verify(key: bytes, credential: str) -> Caller | None:
-    """The member a credential names, if ``key`` signed it; None otherwise."""
+    """The member a credential names, if the chief whose public ``key`` this is signed it; else None."""
+    known = _verified.get((key, credential))
+    if known is not None:
+        return known
     role, sep, rest = credential.partition(":")
     member, sep2, proof = rest.rpartition(":")
-    if not (sep and sep2 and member) or not hmac.compare_digest(proof.encode(), _proof(key, member, role).encode()):
+    try:
+        signature = bytes.fromhex(proof)
+    except ValueError:
         return None
-    return Caller(member, role)
+    if not (sep and sep2 and member) or not tokens.verify_message(key, signature, tokens.CREDENTIAL,
+                                                                  f"{role}|{member}"):
+        return None
+    if len(_verified) >= _VERIFIED_MAX:
+        _verified.clear()
+    caller = _verified[(key, credential)] = Caller(member, role)
+    return caller
 
 
 class Guard:
-    """A server's role checks. ``key()`` is the credential key (empty until the server knows it)."""
+    """A server's role checks. ``key()`` is the chief's public key (empty until the server knows it)."""
 
     def __init__(self, key: Callable[[], bytes]):
         self._key = key

@@ -99,7 +99,7 @@ class Target:
         ps = c.servers[0]
         fp = "fuzz-layout"
         ShardClient(0, ps.address, 1000, fp, transport="grpc").init(torch.zeros(1000), OptimizerSpec())
-        key = auth.credential_key(c.chief.state.secret)
+        key = c.chief.state.secret
         members = frozenset(m.member_id for m in c.chief.state.members.all())
         return cls(c, auth.issue(key, "worker-9", auth.WORKER), ps.host.credential, members)
 

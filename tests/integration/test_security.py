@@ -57,7 +57,7 @@ def code_of(call):
 
 
 def operator(c):
-    return auth.issue(auth.credential_key(c.chief.state.secret), auth.OPERATOR_ID, auth.OPERATOR)
+    return auth.issue(c.chief.state.secret, auth.OPERATOR_ID, auth.OPERATOR)
 
 
 def test_a_token_job_trains_with_its_backups_in_step(secure):
@@ -187,7 +187,7 @@ def test_a_join_under_another_members_id_gets_its_own(secure):
     layout = trainer.chief.layout
     reply = chief.Join(pb.JoinRequest(role=pb.WORKER, layout=layout, member_id=trainer.member_id), timeout=5)
     assert reply.member_id != trainer.member_id and reply.credential.startswith(f"worker:{reply.member_id}:")
-    assert not reply.job_secret                              # a worker never sees the task-signing secret
+    assert not reply.verify_key                              # a worker is not even given the public key
 
 
 def test_garbage_and_huge_waits_are_invalid_argument_never_internal(secure, caplog):

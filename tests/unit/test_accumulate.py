@@ -26,7 +26,7 @@ def batch(task_id, start, stop, task_start, task_stop, epoch=0, member="w1", sec
 
 def check(group, completed_epochs=0, worker="w1"):
     head = pb.PushHeader(worker_id=worker, **header_fields(tuple(group)))
-    host = SimpleNamespace(secret=SECRET, completed_epochs=completed_epochs)
+    host = SimpleNamespace(verify_key=tokens.public_key(SECRET), completed_epochs=completed_epochs)
     return DataServicer.batches_of(SimpleNamespace(host=host), head)
 
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from shoal import auth
+from shoal import auth, tokens
 from shoal.cli import security
 from shoal.errors import InvalidArgument
 
@@ -49,16 +49,27 @@ def test_the_token_comes_from_the_environment_once(tmp_path, monkeypatch):
     assert auth.job_token() == path.read_text().strip().encode()
 
 
-def test_credentials_verify_only_under_their_key_and_for_their_member():
-    key = auth.credential_key(b"s" * 32)
-    cred = auth.issue(key, "worker-3", auth.WORKER)
+def test_credentials_verify_only_under_their_chiefs_key_and_for_their_member():
+    secret = b"s" * 32
+    key = tokens.public_key(secret)
+    cred = auth.issue(secret, "worker-3", auth.WORKER)
     assert auth.verify(key, cred) == auth.Caller("worker-3", auth.WORKER)
-    assert auth.verify(auth.credential_key(b"t" * 32), cred) is None
+    assert auth.verify(tokens.public_key(b"t" * 32), cred) is None         # another job's chief
     role, member, proof = cred.split(":")
     assert auth.verify(key, f"{auth.PS}:{member}:{proof}") is None          # the role is signed
     assert auth.verify(key, f"{role}:worker-4:{proof}") is None             # so is the member
-    for junk in ("", ":", "worker", "worker::", "a:b:c:d"):
+    for junk in ("", ":", "worker", "worker::", "a:b:c:d", f"{role}:{member}:{'0' * 128}", f"{role}:{member}:zz"):
         assert auth.verify(key, junk) is None
+
+
+def test_what_a_parameter_server_holds_cannot_make_a_credential():
+    """A ps gets the chief's public key: signing with it (as if it were the secret) makes nothing that
+    verifies, and neither does a token signature passed off as a credential."""
+    secret = b"s" * 32
+    key = tokens.public_key(secret)
+    assert auth.verify(key, auth.issue(key, auth.OPERATOR_ID, auth.OPERATOR)) is None
+    task_sig = tokens.sign(secret, "worker-3", 1, 1, 0, 0, 8).hex()
+    assert auth.verify(key, f"{auth.WORKER}:worker-3:{task_sig}") is None
 
 
 @pytest.mark.parametrize("bind,loopback", [("127.0.0.1:7070", True), ("[::1]:1", True), ("localhost:1", True),

@@ -188,9 +188,9 @@ def test_task_tokens_bind_holder_and_attempt(clock):
     a = s.join_worker(LAYOUT)
     t = s.take_tasks(a.member_id, DatasetSpec(size=40, batch_size=10), 1)[0][0]
     tok = s.sign(a.member_id, t)
-    assert tokens.verify(s.secret, tok, a.member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
-    assert not tokens.verify(s.secret, tok, "worker-9", t.task_id, t.attempt, t.epoch, t.start, t.stop)
-    assert not tokens.verify(s.secret, tok, a.member_id, t.task_id, t.attempt + 1, t.epoch, t.start, t.stop)
+    assert tokens.verify(tokens.public_key(s.secret), tok, a.member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
+    assert not tokens.verify(tokens.public_key(s.secret), tok, "worker-9", t.task_id, t.attempt, t.epoch, t.start, t.stop)
+    assert not tokens.verify(tokens.public_key(s.secret), tok, a.member_id, t.task_id, t.attempt + 1, t.epoch, t.start, t.stop)
 
 
 def test_a_broken_watch_cuts_the_lease_short_unless_a_heartbeat_renews_it(clock):
