@@ -21,10 +21,11 @@ def refuse_first_batch(shard):
     push, refused, lock = shard.push, [], threading.Lock()
 
     def once(worker, version, grad, key="", batch=None, *args, **kw):
+        named = batch or next(iter(kw.get("batches", ())), None)
         with lock:
-            first = batch is not None and not refused
+            first = named is not None and not refused
             if first:
-                refused.append(batch)
+                refused.append(named)
         if first:
             return PushResult(False, shard.version, "stale: refused by the test")
         return push(worker, version, grad, key, batch, *args, **kw)
