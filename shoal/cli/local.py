@@ -467,9 +467,13 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
                   summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
                   summary.get("checkpoint_step", "none"))
-    if summary.get("lost_shards"):
-        log.error("shard(s) %s lost acknowledged updates during the run (--recovery %s): exactly_once is false",
-                  summary["lost_shards"], summary.get("recovery", "?"))
+    if summary.get("lost_shards") and summary.get("exactly_once") is True:   # after the final checkpoint
+        log.warning("shard(s) %s lost every live copy once the final checkpoint held all their updates: their "
+                    "records were read from it", summary["lost_shards"])
+    elif summary.get("lost_shards"):
+        log.error("shard(s) %s lost acknowledged updates during the run (--recovery %s): exactly_once is %s",
+                  summary["lost_shards"], summary.get("recovery", "?"),
+                  "unknown" if summary.get("exactly_once", False) is None else "false")
     broken = violation(summary)
     if broken:
         log.error("%s", broken)

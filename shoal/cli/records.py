@@ -188,7 +188,7 @@ def judge(report: dict) -> tuple[bool | None, str, list[int]]:
         return False, "; ".join(notes), violated
     if unread:
         return None, (f"unknown: shard(s) {unread} could not be read and no checkpoint covers the end of "
-                      f"training; no violation was seen"), []
+                      f"training"), []
     if missing:
         return False, (f"training stopped before its data was done (tasks {tasks.get('done')}/{tasks.get('total')}): "
                        f"shard(s) {missing} did not get every batch"), []
@@ -196,14 +196,19 @@ def judge(report: dict) -> tuple[bool | None, str, list[int]]:
 
 
 def violation(summary: dict[str, Any]) -> str | None:
-    """Why the run must not exit 0 for what its records show: exactly-once violated on a shard, other
-    than a shard the user let go (``--recovery fast`` lost it, said loudly during the run)."""
-    violated = list(summary.get("exactly_once_violated") or [])
-    if summary.get("recovery") == "fast":
-        violated = [k for k in violated if k not in summary.get("lost_shards", [])]
-    if not violated:
-        return None
-    return f"exactly-once VIOLATED on shard(s) {violated}: {summary.get('exactly_once_detail', '')}"
+    """Why the run must not exit 0 for what it saw: exactly-once violated on a shard (its ledger shows
+    it), or, in a job that did not ask for ``--recovery fast``, a shard the chief saw lose every copy
+    while no records prove its updates kept (the final checkpoint was not cut: the end state is gone).
+    A shard ``--recovery fast`` let go (said loudly during the run) does not fail the run."""
+    fast = summary.get("recovery") == "fast"
+    lost = list(summary.get("lost_shards") or [])
+    violated = [k for k in summary.get("exactly_once_violated") or [] if not (fast and k in lost)]
+    if violated:
+        return f"exactly-once VIOLATED on shard(s) {violated}: {summary.get('exactly_once_detail', '')}"
+    if lost and not fast and summary.get("exactly_once", False) is not True:
+        return (f"shard(s) {lost} lost every copy holding acknowledged updates and no checkpoint taken at the "
+                f"end of training holds them (--recovery {summary.get('recovery', '?')}): the final state is lost")
+    return None
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -79,3 +79,13 @@ def test_a_chief_that_could_not_be_read_leaves_it_unknown():
     add_records(s, None, None, None)
     assert s["exactly_once"] is None and violation(s) is None
     assert "UNKNOWN" in "\n".join(result_lines(s, True))
+
+
+def test_a_shard_that_lost_every_copy_with_no_final_checkpoint_fails_a_consistent_run():
+    """The chief saw every copy die (lost_shards) after the newest checkpoint: the records cannot show
+    it (unknown), but the job's end state is gone; only --recovery fast accepts that."""
+    rep = report(shard(0, error="UNAVAILABLE"), shard(1, error="UNAVAILABLE"))
+    s = summary_of(rep, lost_shards=[0, 1])
+    assert s["exactly_once"] is None and "lost every copy" in violation(s)
+    assert violation(summary_of(rep, recovery="fast", lost_shards=[0, 1])) is None
+    assert violation(summary_of(report(shard(0), shard(1)), lost_shards=[1])) is None   # records prove it held
