@@ -135,9 +135,14 @@ class ChiefClient:
                                    f"(epoch {self._view.epoch if self._view else None})")
             return self._view
 
+    def call_timeout_s(self) -> float:
+        """The deadline of one call to the chief on a member's hot path (tasks, views, reports): about a
+        lease, so a chief that stopped answering (paused, a host that froze) fails the call as a dead one
+        would, within a lease, and the caller retries or goes on with what it holds, never hanging."""
+        return max(1.0, self.lease_seconds)
+
     def refresh_view(self) -> pb.ClusterView:
-        # about a lease: a chief that stopped answering (paused) fails this like a dead one would
-        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=max(1.0, self.lease_seconds))
+        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=self.call_timeout_s())
         self._set_view(view)
         return view
 
@@ -199,8 +204,9 @@ class ChiefClient:
         while not self._stop.is_set():
             after = self._view.epoch if self._view is not None else -1
             try:
+                # the chief holds the call up to 5 s when nothing changes; a lease more and it is not answering
                 view = self.stub.GetView(pb.ViewRequest(after_epoch=after, timeout_seconds=5.0,
-                                                        member_id=self.member_id), timeout=10)
+                                                        member_id=self.member_id), timeout=5.0 + self.call_timeout_s())
                 self._set_view(view)
                 backoff = 0.1
             except grpc.RpcError as exc:

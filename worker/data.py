@@ -32,7 +32,7 @@ class TaskFeed:
 
     def __init__(self, stub, member_id: Callable[[], str], spec: DatasetSpec, prefetch: int = 2,
                  poll_s: float = 0.05, rejoin: Callable[[], object] | None = None, wait_s: float = 120.0,
-                 chief: str = ""):
+                 chief: str = "", call_timeout_s: Callable[[], float] = lambda: 10.0):
         self._stub = stub
         self._member_id = member_id
         self._spec = convert.dataset_to_pb(spec)
@@ -40,6 +40,9 @@ class TaskFeed:
         self._poll_s = poll_s
         self._rejoin = rejoin
         self._wait_s = wait_s                    # an unreachable chief: give up (Unreachable) after this long
+        # one GetTasks: about a lease (ChiefClient.call_timeout_s), so a chief that stopped answering fails
+        # it within a lease and it is tried again, while training goes on with the tasks in hand
+        self._call_timeout_s = call_timeout_s
         self._chief = chief or "the chief"
         self._ready: queue.Queue = queue.Queue()
         self._done: list[int] = []
@@ -95,7 +98,7 @@ class TaskFeed:
     def _get_tasks(self, req: pb.TaskRequest) -> pb.TaskReply:
         t0 = time.monotonic()
         try:
-            return with_retries(lambda: self._stub.GetTasks(req, timeout=10), "get tasks from chief",
+            return with_retries(lambda: self._stub.GetTasks(req, timeout=self._call_timeout_s()), "get tasks from chief",
                                 deadline_s=self._wait_s)
         except grpc.RpcError as exc:
             if exc.code() not in RETRYABLE:

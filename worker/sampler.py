@@ -175,7 +175,7 @@ class DistributedSampler(Sampler[int]):
             raise FailedPrecondition("this worker already takes data from another sampler or Trainer.batches()")
         self._trainer = trainer
         feed = TaskFeed(trainer.chief.stub, lambda: trainer.member_id, self.spec, self.prefetch,
-                        rejoin=trainer.chief.join)
+                        rejoin=trainer.chief.join, call_timeout_s=trainer.chief.call_timeout_s)
         # TaskFeed takes a slot per task until it is released: here, once its indices are handed out
         trainer._feed = feed
         trainer._batch_source = self._next_batch

@@ -365,7 +365,7 @@ class Trainer(ShardExchange):
         epochs = epochs if epochs is not None else train.get("epochs", 1)
         spec = DatasetSpec(dataset_size(data), batch_size, epochs, batches_per_task, seed)
         feed = TaskFeed(self.chief.stub, lambda: self.member_id, spec, prefetch, rejoin=self.chief.join,
-                        chief=f"the chief at {self.chief_address}")
+                        chief=f"the chief at {self.chief_address}", call_timeout_s=self.chief.call_timeout_s)
         self._feed = feed
         try:
             for task, token in self.clock.timed(feed):
@@ -443,8 +443,8 @@ class Trainer(ShardExchange):
         """Publishes job-level metrics (e.g. ``test_accuracy``) to the chief."""
         self.telemetry.reported(values, self.step_count)
         req = pb.MetricsReport(member_id=self.member_id, values={k: float(v) for k, v in values.items()})
-        with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=10), "report metrics to the chief",
-                     deadline_s=120)
+        with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=self.chief.call_timeout_s()),
+                     "report metrics to the chief", deadline_s=120)
 
     def _hand_back(self, feed: TaskFeed) -> None:
         """Preempted between two batches: reports finished tasks and how far the current one got, leaves

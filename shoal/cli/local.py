@@ -34,7 +34,7 @@ from shoal.rpc import RETRYABLE, open_channel
 from shoal.cli.scaler import WorkerScaler
 from shoal.cli.status import collect, exactly_once, replica_digests, replicas_identical, shards_readable
 from shoal.cli.progress import Console, result_lines
-from shoal.cli.records import add_records, build_summary, read_settled, write_json
+from shoal.cli.records import add_records, build_summary, read_settled, violation, write_json
 from shoal.cli import observe
 from shoal.cli.supervise import RestartPolicy
 
@@ -458,7 +458,7 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     console.close_log()
     ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 for c in codes.values())
     summary = build_summary(cluster.cfg, codes, seconds, stats)
-    add_records(summary, shards, replicas, final_step)
+    add_records(summary, shards, replicas, final_step, cfg.checkpoint_dir)
     summary["restarts"] = dict(cluster.restarts)
     summary["rollbacks"] = cluster.rollbacks
     if cfg.summary:
@@ -467,9 +467,16 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
                   summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
                   summary.get("checkpoint_step", "none"))
-    if summary.get("lost_shards"):
-        log.error("shard(s) %s lost acknowledged updates during the run (--recovery %s): exactly_once is false",
-                  summary["lost_shards"], summary.get("recovery", "?"))
-    out.write("\n".join(result_lines(summary, ok, cfg.summary, console.log_path)) + "\n")
+    if summary.get("lost_shards") and summary.get("exactly_once") is True:   # after the final checkpoint
+        log.warning("shard(s) %s lost every live copy once the final checkpoint held all their updates: their "
+                    "records were read from it", summary["lost_shards"])
+    elif summary.get("lost_shards"):
+        log.error("shard(s) %s lost acknowledged updates during the run (--recovery %s): exactly_once is %s",
+                  summary["lost_shards"], summary.get("recovery", "?"),
+                  "unknown" if summary.get("exactly_once", False) is None else "false")
+    broken = violation(summary)
+    if broken:
+        log.error("%s", broken)
+    out.write("\n".join(result_lines(summary, ok and not broken, cfg.summary, console.log_path)) + "\n")
     out.flush()
-    return 0 if ok else 1
+    return 0 if ok and not broken else 1

@@ -230,7 +230,7 @@ def result_lines(summary: dict[str, Any], ok: bool, summary_path: str = "", log_
         lines.append(f"  steps           {steps} ({steps / seconds:.1f}/s), {samples} samples "
                      f"({samples / seconds:,.0f}/s)")
     if "exactly_once" in summary:
-        lines.append(f"  exactly once    {'yes' if summary['exactly_once'] else 'NO'}"
+        lines.append(f"  exactly once    {_exactly_once(summary)}"
                      + ("" if summary.get("replicas_identical") is None else
                         f"; replicas identical: {'yes' if summary['replicas_identical'] else 'NO'}"))
     failed = {k: v for k, v in summary.get("worker_exit_codes", {}).items() if v != 0}
@@ -246,6 +246,19 @@ def result_lines(summary: dict[str, Any], ok: bool, summary_path: str = "", log_
     if log_path:
         lines.append(f"  logs            {log_path}")
     return lines
+
+
+def _exactly_once(summary: dict[str, Any]) -> str:
+    """yes / NO / UNKNOWN, with why, and where the records of a shard whose server was gone came from."""
+    holds, why = summary["exactly_once"], summary.get("exactly_once_detail", "")
+    text = "yes" if holds else "UNKNOWN" if holds is None else "NO"
+    if why and not holds:
+        text += f" ({why.removeprefix('unknown: ')})"
+    from_ckpt = sorted(k for k, v in summary.get("ledger_sources", {}).items() if v == "checkpoint")
+    if from_ckpt:
+        step = summary.get("ledger_checkpoint", {}).get("step", "?")
+        text += f"; shard(s) {', '.join(from_ckpt)} read from the final checkpoint (step {step}), no live copy answered"
+    return text
 
 
 def _is_tty(out: IO[str]) -> bool:

@@ -53,6 +53,7 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                        straggler=m.straggler)
         members.append(row)
     return {"view_epoch": view.epoch, "ready": view.ready, "mode": view.job.mode, "members": members,
+            "num_shards": view.job.num_shards,     # a shard routed to no one is missing from ``shards``
             "shards": shards, "tasks": {"done": stats.tasks_done, "total": stats.tasks_total,
                                         "queue_depth": stats.queue_depth},
             "epochs": {"completed": stats.completed_epochs, "total": stats.epochs,
@@ -126,9 +127,12 @@ def shards_readable(s: dict[str, Any]) -> bool:
 
 
 def exactly_once(s: dict[str, Any]) -> bool:
-    """Every shard's ledger holds every batch of every epoch, each applied once."""
+    """Every shard's ledger holds every batch of every epoch, each applied once (every shard of the job:
+    one the view routes to no one has no ledger to show)."""
     want, epochs = s["epochs"]["batches_per_epoch"], s["epochs"]["total"]
     if not s["shards"] or not want:
+        return False
+    if s.get("num_shards") and {sh.get("shard") for sh in s["shards"]} != set(range(s["num_shards"])):
         return False
     for sh in s["shards"]:
         ledger = {e["epoch"]: e for e in sh.get("ledger", [])}

@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import torch
 import pytest
 
 from harness import wait_until
@@ -180,3 +181,71 @@ def test_a_worker_gives_up_waiting_for_a_new_primary_with_one_line():
     with pytest.raises(Unreachable, match=r"gave up after 0s waiting for a primary of shard 0 "
                                           r"\(the last, 10.0.0.9:4000, failed with UNAVAILABLE\)"):
         routes.reroute(0, routes.clients[0], Down())
+
+
+def hold_while_paused(monkeypatch, name: str, answering: threading.Event, calls: list, probe=lambda req: True):
+    """``ChiefServicer.<name>`` blocks while ``answering`` is clear, as a paused chief (SIGSTOP: its socket
+    takes the call, nothing answers) does; the arrival time of each call ``probe`` picks goes to ``calls``."""
+    from shoal.chief.servicer import ChiefServicer
+
+    original = getattr(ChiefServicer, name)
+
+    def held(self, request, context):
+        if probe(request):
+            calls.append(time.monotonic())
+        answering.wait(30)
+        return original(self, request, context)
+
+    monkeypatch.setattr(ChiefServicer, name, held)
+
+
+@pytest.mark.timeout(90)
+def test_a_chief_that_stops_answering_fails_the_workers_calls_within_a_lease_and_they_are_tried_again(monkeypatch):
+    """The worker's GetTasks and its report() to a chief that stopped answering give up within about a
+    lease and are tried again, as with a dead chief (they waited out a fixed 10 s deadline); once the
+    chief answers, the job goes on."""
+    from harness import InProcessCluster
+    from shoal.worker import Trainer
+    from test_cluster import data, mlp
+
+    lease = 1.0
+    answering, tasks, reports = threading.Event(), [], []
+    answering.set()
+    hold_while_paused(monkeypatch, "GetTasks", answering, tasks)
+    hold_while_paused(monkeypatch, "ReportMetrics", answering, reports, probe=lambda req: "probe" in req.values)
+    c = InProcessCluster(1, JobConfig(mode="async", num_shards=1, lease_seconds=lease))
+    trainer = None
+    try:
+        model = mlp(0)
+        trainer = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.05)
+        x, y = data(64)
+
+        def train() -> None:
+            for xb, yb in trainer.batches((x, y), batch_size=16, epochs=1):
+                trainer.zero_grad()
+                torch.nn.functional.cross_entropy(model(xb), yb).backward()
+                trainer.step(samples=len(xb))
+
+        answering.clear()                                   # the chief stops answering
+        worker = threading.Thread(target=train, daemon=True)
+        worker.start()
+        wait_until(lambda: len(tasks) >= 2, timeout_s=2.5 * lease + 5, what="GetTasks to be tried again")
+        assert tasks[1] - tasks[0] < 2.5 * lease, tasks     # the first call failed within about a lease
+        answering.set()
+        worker.join(30)
+        assert not worker.is_alive() and trainer.step_count == 4
+
+        answering.clear()
+        reporter = threading.Thread(target=lambda: trainer.report(probe=1.0), daemon=True)
+        reporter.start()
+        wait_until(lambda: len(reports) >= 2, timeout_s=2.5 * lease + 5, what="the report to be tried again")
+        assert reports[1] - reports[0] < 2.5 * lease, reports
+        answering.set()
+        reporter.join(30)
+        assert not reporter.is_alive()
+        wait_until(lambda: c.chief.state.metrics.get("probe") == 1.0, timeout_s=10, what="the report")
+    finally:
+        answering.set()
+        if trainer is not None:
+            trainer.close()
+        c.stop()

@@ -106,3 +106,32 @@ def test_closing_a_tcp_data_channel_cuts_a_call_blocked_on_it_short():
     assert not t.is_alive() and out["took"] < 3.0
     assert out["error"].code() == grpc.StatusCode.CANCELLED     # a failover, not "unreachable"
     b.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_starting_up_while_a_primary_is_killed_follows_the_view_to_its_backup():
+    """Issue 20: a worker that started while a primary was being killed retried the dead address for 60 s
+    and exited 1. Its start-up (pull, Init, status) follows the view like its training calls do."""
+    from harness import InProcessCluster, wait_until
+    from shoal.config import JobConfig
+    from shoal.worker import Trainer
+    from test_cluster import mlp
+
+    lease = 1.0
+    with InProcessCluster(2, JobConfig(mode="async", num_shards=2, lease_seconds=lease)) as c:
+        first = Trainer(mlp(0), chief=c.chief_address, optimizer="sgd", lr=0.05)     # initialises the shards
+        second = None
+        try:
+            wait_until(lambda: set(c.chief.state.complete) == {0, 1}, timeout_s=20, what="whole backups")
+            victim = c.chief.state.routing[0]
+            dead = next(s for s in c.servers if s.chief.member_id == victim)
+            c.kill_ps(c.servers.index(dead))
+            t0 = time.monotonic()
+            second = Trainer(mlp(1), chief=c.chief_address, optimizer="sgd", lr=0.05)
+            took = time.monotonic() - t0
+            assert took < 4 * lease, took
+            assert all(cl.address != dead.address for cl in second.routes.clients.values())
+        finally:
+            if second is not None:
+                second.close()
+            first.close()
