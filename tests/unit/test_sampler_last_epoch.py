@@ -34,7 +34,9 @@ class Stub:
 
 
 def fake_trainer(stub, member):
-    t = types.SimpleNamespace(chief=types.SimpleNamespace(stub=stub, join=None), member_id=member, _feed=None,
+    t = types.SimpleNamespace(chief=types.SimpleNamespace(stub=stub, join=None, call_timeout_s=lambda: 5.0),
+                              member_id=member, _feed=None,
+                              accumulation=None,
                               finished=[])
     t._task_finished = t.finished.append
     return t
