@@ -8,7 +8,8 @@ scheduler, its epoch loop and its evaluation after every epoch. Under shoal
 (``$SHOAL_CHIEF`` is set by ``shoal worker`` / ``shoal local``) three lines differ,
 marked ``# shoal``. ``--device cuda`` trains on the GPU (the DataLoader pins its
 batches); ``--amp`` runs the forward pass under autocast: fp16 with a
-``GradScaler`` on CUDA, bf16 on the CPU.
+``GradScaler`` on CUDA, bf16 on the CPU. ``--accumulate K`` steps the optimizer
+once every K micro-batches (the loss divided by K), as plain PyTorch does.
 """
 from __future__ import annotations
 
@@ -53,11 +54,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per optimizer step")
     p.add_argument("--amp", action="store_true", help="autocast: fp16 with a GradScaler on CUDA, bf16 on the CPU")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
+    if args.accumulate < 1:
+        p.error(f"--accumulate {args.accumulate}: give 1 or more micro-batches per step")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
     (xtr, ytr), (xte, yte) = load(args.seed)
@@ -77,19 +81,25 @@ def main() -> None:
     fp16 = args.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)    # skips a step whose gradients overflow
 
-    acc = 0.0
+    acc, k, passes = 0.0, args.accumulate, 0
+    opt.zero_grad()
     for epoch in range(args.epochs):
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            opt.zero_grad()
             with torch.autocast(device.type, dtype=torch.float16 if fp16 else torch.bfloat16, enabled=args.amp):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(model(x), y) / k
             scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            passes += 1
+            if passes % k == 0:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
         sched.step()
         acc = evaluate(model, test, device)
         log.info("epoch %d: test accuracy %.4f (lr %.5f)", epoch, acc, sched.get_last_lr()[0])
+    if passes % k:                  # a last, short group of micro-batches
+        scaler.step(opt)
+        scaler.update()
     if distributed:                 # the job's final weights and statistics, for the run summary
         opt.synchronize()
         acc = evaluate(model, test, device)
