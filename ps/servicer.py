@@ -7,7 +7,7 @@ replication the host's.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -147,7 +147,7 @@ class DataServicer:
 
     @grpc_errors
     def Push(self, request_iterator: Iterator[bytes], context) -> bytes:
-        push, nbytes = PushAssembly(self), 0
+        push, nbytes = PushAssembly(self, lambda member: self.guard.speaks_for(context, member)), 0
         for frame in request_iterator:
             nbytes += len(frame)
             head, payload = frames.unpack(frame, pb.PushHeader)
@@ -232,8 +232,9 @@ class PushAssembly:
     where a raw fp32 chunk's bytes go and receives them there.
     """
 
-    def __init__(self, servicer: DataServicer):
+    def __init__(self, servicer: DataServicer, speaks_for: Callable[[str], bool] = lambda member: True):
         self.servicer = servicer
+        self.speaks_for = speaks_for     # whether the caller may push as this worker (its credential)
         self.first: pb.PushHeader | None = None
         self.shard: Shard | None = None
         self.grad: torch.Tensor | None = None
@@ -243,6 +244,9 @@ class PushAssembly:
 
     def check(self, head: pb.PushHeader) -> None:
         if self.first is None:
+            if not self.speaks_for(head.worker_id):
+                raise PermissionDenied(f"this caller's credential does not name worker {head.worker_id!r}: "
+                                       f"a push is accepted only from the worker it names")
             shard = self.servicer.host.get(head.shard)
             if head.layout_fingerprint != shard.fingerprint:
                 raise FailedPrecondition(f"push for layout {head.layout_fingerprint}; shard {head.shard} "

@@ -140,10 +140,11 @@ class DataChannelServer:
                 return
             conn.settimeout(None)
             replicator = self._may_replicate(credential)
+            speaks_for = self._speaks_for(credential)
             tc.send(conn, tc.OK)
             while True:
                 kind, head, body_len = tc.recv_prefix(conn)
-                if not self._request(conn, kind, head, body_len, replicator):
+                if not self._request(conn, kind, head, body_len, replicator, speaks_for):
                     return
         except (ConnectionError, OSError) as exc:
             if not self._closed:
@@ -166,11 +167,20 @@ class DataChannelServer:
         caller = auth.verify(key, credential) if key and credential else None
         return caller is not None and caller.role in (auth.PS, auth.OPERATOR)
 
-    def _request(self, conn: socket.socket, kind: int, head: bytes, body_len: int, replicator: bool = True) -> bool:
+    def _speaks_for(self, credential: str) -> Callable[[str], bool]:
+        """Which worker this connection may push as: any while auth is off, else the one its credential names."""
+        if auth.job_token() is None:
+            return lambda member: True
+        key = self._guard_key()
+        caller = auth.verify(key, credential) if key and credential else None
+        return lambda member: caller is not None and caller.member == member
+
+    def _request(self, conn: socket.socket, kind: int, head: bytes, body_len: int, replicator: bool = True,
+                 speaks_for: Callable[[str], bool] = lambda member: True) -> bool:
         """Serves one request; False: the connection must close."""
         try:
             if kind in (tc.PUSH, tc.PUSH_MORE):
-                reply = self._push(conn, kind, head, body_len)
+                reply = self._push(conn, kind, head, body_len, speaks_for)
                 tc.send(conn, tc.OK, reply.SerializeToString())
             elif kind == tc.PULL:
                 if body_len:
@@ -196,10 +206,11 @@ class DataChannelServer:
             code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__} on the ps; see its log"
         tc.send(conn, code.value[0], text.encode()[:tc.MAX_HEAD])
 
-    def _push(self, conn: socket.socket, kind: int, head: bytes, body_len: int) -> pb.PushReply:
+    def _push(self, conn: socket.socket, kind: int, head: bytes, body_len: int,
+              speaks_for: Callable[[str], bool]) -> pb.PushReply:
         """Receives a push (one PUSH, or PUSH_MORE ... PUSH). After a refused chunk the rest of the
         push is still read, so the connection stays in step, and the refusal is the reply."""
-        push, nbytes, error = PushAssembly(self.servicer), 0, None
+        push, nbytes, error = PushAssembly(self.servicer, speaks_for), 0, None
         while True:
             nbytes += tc.PREFIX.size + len(head) + body_len
             if error is None:

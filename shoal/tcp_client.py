@@ -31,7 +31,9 @@ def split_host(address: str) -> str:
 
 
 class TcpDataChannel:
-    """``member_id`` is presented with the ticket (a callable: it may change on a re-join)."""
+    """``member_id`` and ``credential`` are presented with the ticket (callables: a re-join changes them;
+    a connection opened under an older identity is closed rather than reused, since the ps judges
+    each connection's pushes by the credential of its hello)."""
 
     def __init__(self, host: str, offer: pb.DataChannelOffer, member_id: Callable[[], str] = lambda: "",
                  connect_timeout_s: float = 5.0, credential: Callable[[], str] = lambda: ""):
@@ -40,6 +42,7 @@ class TcpDataChannel:
         self.credential = credential
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[socket.socket] = []
+        self._opened_as: dict[socket.socket, str] = {}      # the credential each connection's hello carried
         self._busy: set[socket.socket] = set()     # in a call now: close() cuts them short
         self._lock = threading.Lock()
         self._closed = False
@@ -58,13 +61,16 @@ class TcpDataChannel:
             ctx = tls.context("client")
             if ctx is not None:       # checks the ps's certificate against --tls-ca and the host it was reached at
                 sock = ctx.wrap_socket(sock, server_hostname=self.host)
-            tc.send(sock, tc.HELLO, tc.hello(self.ticket, self.member_id(), self.credential()))
+            credential = self.credential()
+            tc.send(sock, tc.HELLO, tc.hello(self.ticket, self.member_id(), credential))
             kind, _, _ = tc.recv_prefix(sock)
             if kind != tc.OK:
                 raise ConnectionError(f"the ps at {self.host}:{self.port} refused the ticket")
         except BaseException:
             sock.close()
             raise
+        with self._lock:
+            self._opened_as[sock] = credential
         return sock
 
     def close(self) -> None:
@@ -72,6 +78,7 @@ class TcpDataChannel:
         CANCELLED rather than at its timeout."""
         with self._lock:
             self._closed, idle, self._idle, busy = True, self._idle, [], list(self._busy)
+            self._opened_as.clear()
         for s in idle:
             s.close()
         for s in busy:
@@ -85,9 +92,18 @@ class TcpDataChannel:
         with self._lock:
             if self._closed:
                 raise tc.ChannelError(grpc.StatusCode.CANCELLED, f"data channel to {self.host}:{self.port} closed")
-            sock = self._idle.pop() if self._idle else None
+            sock, stale, now = None, [], self.credential()
+            while self._idle and sock is None:
+                s = self._idle.pop()
+                if self._opened_as.get(s) == now:
+                    sock = s
+                else:
+                    stale.append(s)
+                    self._opened_as.pop(s, None)
             if sock is not None:
                 self._busy.add(sock)
+        for s in stale:                   # opened before a re-join: the ps would refuse its pushes
+            s.close()
         try:
             if sock is None:
                 sock = self.connect()
@@ -125,12 +141,14 @@ class TcpDataChannel:
             if not self._closed:
                 self._idle.append(sock)
                 return
+            self._opened_as.pop(sock, None)
         sock.close()
 
     def _discard(self, sock: socket.socket | None) -> None:
         if sock is not None:
             with self._lock:
                 self._busy.discard(sock)
+                self._opened_as.pop(sock, None)
             sock.close()
 
 

@@ -61,7 +61,8 @@ class ShardClient:
     """
 
     def __init__(self, shard: int, address: str, numel: int, fingerprint: str,
-                 chunk_bytes: int = 1 << 20, transport: str = "tcp", member_id: Callable[[], str] = lambda: ""):
+                 chunk_bytes: int = 1 << 20, transport: str = "tcp", member_id: Callable[[], str] = lambda: "",
+                 credential: Callable[[], str] = lambda: ""):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"unknown data transport {transport!r}; known: {', '.join(TRANSPORTS)}")
         self.shard = shard
@@ -71,7 +72,8 @@ class ShardClient:
         self.grpc_chunk_bytes = chunk_bytes
         self.transport = transport
         self.member_id = member_id
-        self.channel = open_channel(address)
+        self.credential = credential     # this worker's credential: a ps takes pushes only from the worker they name
+        self.channel = open_channel(address, credential)
         self._stubs = DataStubs(self.channel)
         self._tcp: TcpDataChannel | None = None
         self._negotiated = transport == "grpc"
@@ -110,7 +112,8 @@ class ShardClient:
             return self._tcp
         with self._lock:
             if not self._negotiated:
-                self._tcp = negotiate(self._stubs, self.address, self.member_id, f"shard {self.shard}")
+                self._tcp = negotiate(self._stubs, self.address, self.member_id, f"shard {self.shard}",
+                                      credential=self.credential)
                 self._negotiated = True
             return self._tcp
 

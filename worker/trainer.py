@@ -219,7 +219,8 @@ class Trainer(ShardExchange):
 
     def _client(self, shard: int, address: str) -> ShardClient:
         return ShardClient(shard, address, self.plan.shard_numel(shard), self.layout.fingerprint,
-                           transport=self.transport, member_id=lambda: self.chief.member_id)
+                           transport=self.transport, member_id=lambda: self.chief.member_id,
+                           credential=lambda: self.chief.credential)
 
     def _bind_flat_buffers(self) -> None:
         params = list(self.model.parameters())

@@ -146,6 +146,47 @@ def test_a_worker_is_refused_replication_over_the_tcp_channel(secure):
     assert backup.host.shards[0].digest() == before
 
 
+def test_a_push_is_accepted_only_from_the_worker_it_names(secure):
+    """Another member of the job (token and credential of its own) pushing under this worker's name is
+    refused on both transports, before anything is applied: a claim on a batch is the holder's alone."""
+    c, trainer, _ = secure
+    other = Trainer(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)),
+                    chief=c.chief_address, optimizer="adam", lr=0.02)
+    try:
+        ps = next(p for p in c.servers if p.host.roles.get(0) == "primary")
+        shard = ps.host.shards[0]
+        before = shard.digest()
+        head = pb.PushHeader(shard=0, worker_id=trainer.member_id, version=shard.version, key="forged",
+                             numel=shard.numel, layout_fingerprint=shard.fingerprint, codec="none")
+        body = torch.ones(shard.numel).numpy().tobytes()
+        stubs = DataStubs(channel(ps.address, credential=other.chief.credential))
+        assert code_of(lambda: stubs.push_one(frames.pack(head, body), timeout=5)) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        offer = pb.DataChannelOffer.FromString(stubs.open_channel(b"", timeout=5))
+        with socket.create_connection(("127.0.0.1", offer.port), timeout=5) as sock:
+            tc.send(sock, tc.HELLO, tc.hello(offer.ticket, other.member_id, other.chief.credential))
+            assert tc.recv_prefix(sock)[0] == tc.OK
+            tc.send(sock, tc.PUSH, head.SerializeToString(), body)
+            kind, text, _ = tc.recv_prefix(sock)
+        assert tc.status_code(kind) == grpc.StatusCode.PERMISSION_DENIED, text
+        assert shard.digest() == before
+    finally:
+        other.close()
+
+
+def test_data_channel_connections_opened_under_an_old_credential_are_not_reused(secure):
+    """A re-join (the chief dropped the worker) changes its name and credential, and a ps judges a
+    connection's pushes by its hello's credential: connections opened under the old one are closed,
+    not reused."""
+    c, trainer, _ = secure
+    tcp = trainer._clients[0].tcp
+    first = tcp.call(lambda sock: sock, timeout_s=5)
+    assert tcp.call(lambda sock: sock, timeout_s=5) is first
+    tcp.credential = lambda: "worker:worker-7:" + "0" * 128          # as after a re-join
+    again = tcp.call(lambda sock: sock, timeout_s=5)
+    assert again is not first and first.fileno() == -1
+
+
 def test_a_peer_that_trickles_its_hello_is_cut_off(secure):
     c, _, _ = secure
     server = c.servers[0].channel
