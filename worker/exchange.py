@@ -87,8 +87,9 @@ class ShardExchange:
         """The batches this step's push names: the one :meth:`batches` yielded, or the next ``n`` a
         sampler recorded (``n`` > 1: the gradient was accumulated over micro-batches)."""
         if not self._group:
-            if self._batch_source is not None:
-                self._group = tuple(b for b in (self._batch_source() for _ in range(n)) if b is not None)
+            if self._batch_source is not None:     # a record may hold short batches the DataLoader joined
+                records = (self._batch_source() for _ in range(n))
+                self._group = tuple(b for r in records if r is not None for b in (r if isinstance(r, tuple) else (r,)))
             elif self._batch is not None:
                 self._group = (self._batch,)
         return self._group

@@ -23,8 +23,12 @@ batches in sampler order, so the step trains exactly that batch. The sampler's
 ``batch_size`` must therefore equal the DataLoader's (a step whose batch does
 not match is the DataLoader's ``drop_last`` or a loop that skips steps: the
 sampler then hands the batches it cannot account for back to the chief). A
-task's last partial batch is handed out last in its iteration, so the
-DataLoader's grouping of indices into batches stays aligned with the tasks.
+task's short last batch is handed out last in its iteration, so the
+DataLoader's grouping of indices into batches stays aligned with the tasks. A
+lone short batch that came back (a skipped step, a dropped sync gradient) joins
+it when both fit in one batch: the DataLoader makes one batch of them, and that
+step's push names both. Otherwise it waits for the next iteration, and after
+the last epoch it goes back to the chief for a worker still training.
 A step after several backward passes (gradient accumulation) takes as many
 records, one per pass, from one task or several.
 """
@@ -66,6 +70,7 @@ class DistributedSampler(Sampler[int]):
         self._later: collections.deque[tuple[Task, bytes]] = collections.deque()   # for a later epoch
         self._remaining: dict[int, int] = {}    # task id -> batches handed out, not yet stepped
         self._perms: dict[int, torch.Tensor] = {}
+        self._released: set[int] = set()        # short tasks held back whose prefetch slot is free already
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration trains (as torch's DistributedSampler)."""
@@ -95,15 +100,14 @@ class DistributedSampler(Sampler[int]):
             if item is None:
                 break
             task, token = item
-            if (task.stop - task.start) % self.batch_size and len(partial) == 0:
-                partial.append(item)             # its short batch goes last: DataLoader batches stay aligned
-                continue
             if (task.stop - task.start) % self.batch_size:
-                self._later.append(item)         # a second short batch waits for the next iteration
+                partial.append(item)             # short batches go last: DataLoader batches stay aligned
+                if task.task_id not in self._released:
+                    self._released.add(task.task_id)
+                    feed.release()               # a task held back must not keep the feed from fetching
                 continue
             yield from self._hand_out(task, token, feed)
-        for task, token in partial:
-            yield from self._hand_out(task, token, feed)
+        yield from self._hand_out_short(partial, feed)
         if epoch == self.epochs - 1:
             self._last_iteration_over(feed)
 
@@ -114,6 +118,26 @@ class DistributedSampler(Sampler[int]):
         any that comes later."""
         later, self._later = list(self._later), collections.deque()
         feed.stop_fetching(later)
+
+    def _hand_out_short(self, partial: list[tuple[Task, bytes]], feed: TaskFeed) -> Iterator[int]:
+        """The tasks that end in a short batch, at the end of the iteration. The DataLoader makes one
+        batch of whatever short batches come last, so the largest task goes first and a lone short
+        batch (one a skipped step or a sync round handed back) joins its short batch while they fit
+        in one batch: that step's push names each of them. Any other waits for the next iteration
+        (never this one: taking it again here would loop for ever)."""
+        partial = sorted(partial, key=lambda item: item[0].start - item[0].stop)
+        joined, deferred = 0, []
+        for i, (task, token) in enumerate(partial):
+            short = (task.stop - task.start) % self.batch_size
+            if i == 0:
+                joined = short
+                yield from self._hand_out(task, token, feed, release=False)
+            elif task.stop - task.start == short and joined + short <= self.batch_size:
+                joined += short
+                yield from self._hand_out(task, token, feed, join=True, release=False)
+            else:
+                deferred.append((task, token))
+        self._later.extendleft(reversed(deferred))
 
     def _take(self, epoch: int, feed: TaskFeed, holding: bool) -> tuple[Task, bytes] | None:
         """The next task of ``epoch`` (or an earlier one) for this worker; None when the epoch is over here.
@@ -140,15 +164,22 @@ class DistributedSampler(Sampler[int]):
                 return None
             return item
 
-    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed) -> Iterator[int]:
+    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed, join: bool = False,
+                  release: bool = True) -> Iterator[int]:
+        """Records the task's batches and yields its sample indices. ``join``: the task is one short
+        batch that the DataLoader puts in one batch with the short batch before it: one record of both."""
         order = self._permutation(task.epoch)
-        n = 0
-        for start in range(task.start, task.stop, self.batch_size):
-            stop = min(task.stop, start + self.batch_size)
-            self._records.append(BatchContext(task, token, start, stop))
-            n += 1
-        self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + n
-        feed.release()                           # the feed may fetch the next task meanwhile
+        batches = [BatchContext(task, token, start, min(task.stop, start + self.batch_size))
+                   for start in range(task.start, task.stop, self.batch_size)]
+        if join and self._records:
+            last = self._records.pop()
+            self._records.append((*(last if isinstance(last, tuple) else (last,)), *batches))
+        else:
+            self._records.extend(batches)
+        self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + len(batches)
+        if release:
+            feed.release()                       # the feed may fetch the next task meanwhile
+        self._released.discard(task.task_id)
         yield from order[task.start:task.stop].tolist()
 
     def _permutation(self, epoch: int) -> torch.Tensor:
@@ -183,7 +214,8 @@ class DistributedSampler(Sampler[int]):
         self._feed = feed
         return feed
 
-    def _next_batch(self) -> BatchContext | None:
+    def _next_batch(self) -> "BatchContext | tuple[BatchContext, ...] | None":
+        """What the DataLoader's next batch holds: one batch of a task, or several short ones joined."""
         return self._records.popleft() if self._records else None
 
     def _stepped(self, batch: BatchContext) -> None:
@@ -206,7 +238,8 @@ class DistributedSampler(Sampler[int]):
             log.info("%d batch(es) handed to the DataLoader were not trained (drop_last or a loop that stopped "
                      "early); handing them back to the chief", len(self._records))
         while self._records:
-            b = self._records.popleft()
-            self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
-            self._stepped(b)
+            record = self._records.popleft()
+            for b in record if isinstance(record, tuple) else (record,):
+                self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
+                self._stepped(b)
         self._records.extend(kept)

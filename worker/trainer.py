@@ -99,7 +99,7 @@ class Trainer(ShardExchange):
         # the optimizer's current hyper-parameters ("0.lr", ...), sent with every push (LR schedulers)
         self._hparams_source = hparams_source
         # where a step's batch comes from when the loop is the user's (a DistributedSampler)
-        self._batch_source: Callable[[], BatchContext | None] | None = None
+        self._batch_source: Callable[[], "BatchContext | tuple[BatchContext, ...] | None"] | None = None
         self._batch_done: Callable[[BatchContext], None] | None = None
         # what a shard this worker creates gets; the shard's own optimizer decides (see _follow_shards)
         self.optimizer = server_optimizer(spec, self.encoder.sparse) if momentum_correction else spec

@@ -96,3 +96,64 @@ def test_tasks_queued_when_the_last_epoch_ends_go_back_to_the_chief():
     got = svc.GetTasks(pb.TaskRequest(member_id=b, max_tasks=8), None).tasks
     assert sorted((t.start, t.stop) for t in got) == sorted([(t.start, t.stop) for t in back] + [(48, 60)])
     feed.close()
+
+
+def loop(sampler, loader, skip=lambda record: False):
+    """Steps every DataLoader batch as a training loop would; checks each batch holds exactly the
+    samples of the record it is pushed under. ``skip(record)``: the step was skipped (handed back)."""
+    seen = []
+    for (batch,) in loader:
+        record = sampler._next_batch()
+        group = record if isinstance(record, tuple) else (record,)
+        assert sorted(batch.tolist()) == sorted(i for b in group for i in range(b.start, b.stop))
+        for b in group:
+            if skip(b):
+                sampler._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
+            sampler._stepped(b)
+        seen.append(tuple((b.task.epoch, b.start, b.stop) for b in group))
+    return seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size,joined", [(60, True), (62, False)])
+def test_a_short_batch_handed_back_joins_the_next_epochs_short_batch_or_waits_an_iteration(size, joined):
+    """Epoch 0's short batch is skipped (a GradScaler overflow) and comes back while epoch 1 has its own
+    short batch. Two short batches cannot both end one iteration; before, the sampler took the second
+    again and again and the worker spun for ever (a sync job stalled on a GPU). When they fit in one
+    batch (4 + 4 of 8) the DataLoader makes one batch of them and its push names both; otherwise
+    (6 + 6) the lone one waits for the next iteration, and after the last one it goes back to the
+    chief for a worker still training. No batch is trained twice."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    spec = DatasetSpec(size=size, batch_size=BATCH, epochs=3, batches_per_task=2)
+    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
+    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
+    a = svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id
+    trainer = fake_trainer(Stub(svc), a)
+    sampler = DistributedSampler(range(size), batch_size=BATCH, epochs=3, shuffle=False, batches_per_task=2,
+                                 trainer=trainer)
+    assert sampler.spec == spec
+    loader = DataLoader(TensorDataset(torch.arange(size)), batch_size=BATCH, sampler=sampler)
+    short = (size // BATCH * BATCH, size)
+    trained = loop(sampler, loader, skip=lambda b: (b.task.epoch, b.start, b.stop) == (0, *short))
+    assert trained[-1] == ((0, *short),)
+    epoch1 = loop(sampler, loader)
+    if joined:
+        assert epoch1[-1] == ((1, *short), (0, *short))      # one DataLoader batch, one push naming both
+        epoch2 = loop(sampler, loader)
+    else:
+        assert epoch1[-1] == ((1, *short),)
+        epoch2 = loop(sampler, loader)
+        assert epoch2[-1] == ((2, *short),)
+    done = [b for g in trained[:-1] + epoch1 + epoch2 for b in g]
+    assert len(done) == len(set(done))
+    for e in range(3):
+        expected = set(range(0, size, BATCH)) - ({short[0]} if e == 0 and not joined else set())
+        assert {s for ep, s, _ in done if ep == e} == expected
+    if not joined:          # handed back: the chief holds it for whoever asks next
+        wait_until(lambda: [(t.epoch, t.start, t.stop) for t in svc.state.tasks.held_by(a)] == [],
+                   what="the worker to report everything")
+        todo = [(t.epoch, t.start, t.stop) for t in svc.state.tasks._todo]
+        assert todo == [(0, *short)]
+    trainer._feed.close()
