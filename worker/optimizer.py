@@ -152,7 +152,12 @@ class _Distributed:
         self._shoal.report(**values)
 
     def synchronize(self) -> None:
-        """Pulls the newest weights (and buffers) from the job, e.g. before a final evaluation."""
+        """Pushes a last, short group of micro-batches still accumulating (``backward_passes_per_step``
+        with fewer than k passes since the last push), then pulls the newest weights (and buffers)
+        from the job, e.g. before a final evaluation."""
+        acc = self._shoal_acc
+        if acc.every is not None and acc.passes:
+            self._shoal.step(batches=acc.reset())
         self._shoal.pull()
 
     def close(self) -> None:

@@ -108,6 +108,33 @@ def test_accumulating_k_micro_batches_trains_as_in_one_process_with_one_push_per
     wait_until(lambda: c.chief.state.tasks.finished, what="every task of the job done")
 
 
+def test_synchronize_pushes_a_last_short_group_of_backward_passes_per_step(cluster_factory):
+    """36 batches in groups of 5: seven pushes during the loop, and synchronize() pushes the last
+    batch rather than leaving it to go back to the chief when the worker leaves."""
+    c = cluster_factory(2, mode="async")
+    ds = dataset()
+    model = mlp()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, chief=c.chief_address,
+                               backward_passes_per_step=5)
+    loader = DataLoader(ds, batch_size=BS, sampler=DistributedSampler(ds, batch_size=BS, epochs=2, shuffle=False,
+                                                                      batches_per_task=PER_TASK))
+    try:
+        for _ in range(2):
+            for _, x, y in loader:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        assert opt.trainer.step_count == 7
+        opt.synchronize()
+        assert opt.trainer.step_count == 8
+        opt.synchronize()                          # nothing left: only a pull
+        assert opt.trainer.step_count == 8
+    finally:
+        opt.close()
+    assert_every_batch_once(c, 2)
+    wait_until(lambda: c.chief.state.tasks.finished, what="every task of the job done")
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_workers_accumulating_put_every_batch_in_every_ledger_once(cluster_factory, mode):
     c = cluster_factory(2, mode=mode)
