@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shoal import auth, frames
+from shoal import auth, frames, tokens
 from shoal import tcp_channel as tc
 from shoal.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
@@ -172,6 +172,21 @@ def test_a_push_is_accepted_only_from_the_worker_it_names(secure):
         assert shard.digest() == before
     finally:
         other.close()
+
+
+def test_a_server_that_joins_gets_a_key_that_verifies_but_cannot_sign(secure):
+    """The attack of the issue: join as a ps and use what the chief hands over to forge claims on
+    batches. A ps now gets the chief's public key; the secret is nowhere in the reply, and tokens
+    made with what it got do not verify."""
+    c, trainer, _ = secure
+    chief = pb_grpc.ChiefStub(channel(c.chief_address))
+    reply = chief.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:9"), timeout=5)
+    secret = c.chief.state.secret
+    assert reply.verify_key == tokens.public_key(secret) and secret not in reply.SerializeToString()
+    fields = dict(member=trainer.member_id, task_id=0, attempt=1, epoch=0, start=0, stop=64)
+    assert tokens.verify(reply.verify_key, tokens.sign(secret, **fields), **fields)
+    assert not tokens.verify(reply.verify_key, tokens.sign(reply.verify_key, **fields), **fields)
+    assert auth.verify(reply.verify_key, auth.issue(reply.verify_key, auth.OPERATOR_ID, auth.OPERATOR)) is None
 
 
 def test_data_channel_connections_opened_under_an_old_credential_are_not_reused(secure):
