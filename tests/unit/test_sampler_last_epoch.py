@@ -33,6 +33,14 @@ class Stub:
         return self.servicer.GetTasks(req, None)
 
 
+def chief_with_workers(n):
+    """A chief's servicer (no gRPC) with ``n`` workers joined; returns it, a stub and their names."""
+    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
+    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
+    names = [svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id for _ in range(n)]
+    return svc, Stub(svc), names
+
+
 def fake_trainer(stub, member):
     t = types.SimpleNamespace(chief=types.SimpleNamespace(stub=stub, join=None, call_timeout_s=lambda: 5.0),
                               member_id=member, _feed=None,
@@ -44,10 +52,7 @@ def fake_trainer(stub, member):
 
 @pytest.mark.timeout(60)
 def test_a_batch_dropped_after_another_workers_last_epoch_ended_is_trained_by_a_worker_still_in_it():
-    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
-    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
-    a, b = (svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id for _ in range(2))
-    stub = Stub(svc)
+    svc, stub, (a, b) = chief_with_workers(2)
     # B takes the first two tasks and sits on them, as a worker training slower would
     feed_b = TaskFeed(stub, lambda: b, SPEC, prefetch=2, poll_s=0.01)
     held = [feed_b.poll(5.0) for _ in range(2)]
@@ -84,10 +89,7 @@ def test_a_batch_dropped_after_another_workers_last_epoch_ended_is_trained_by_a_
 
 @pytest.mark.timeout(60)
 def test_tasks_queued_when_the_last_epoch_ends_go_back_to_the_chief():
-    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
-    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
-    a, b = (svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id for _ in range(2))
-    stub = Stub(svc)
+    svc, stub, (a, b) = chief_with_workers(2)
     feed = TaskFeed(stub, lambda: a, SPEC, prefetch=3, poll_s=0.01)
     wait_until(lambda: feed._ready.qsize() == 3, what="three tasks prefetched")
     back = feed.stop_fetching()
@@ -127,10 +129,8 @@ def test_a_short_batch_handed_back_joins_the_next_epochs_short_batch_or_waits_an
     from torch.utils.data import DataLoader, TensorDataset
 
     spec = DatasetSpec(size=size, batch_size=BATCH, epochs=3, batches_per_task=2)
-    svc = ChiefServicer(ChiefState(JobConfig(num_shards=1), time.monotonic))
-    layout = layout_to_pb(ModelLayout([TensorSpec("w", (2, 2))]))
-    a = svc.Join(pb.JoinRequest(role=pb.WORKER, layout=layout), None).member_id
-    trainer = fake_trainer(Stub(svc), a)
+    svc, stub, (a,) = chief_with_workers(1)
+    trainer = fake_trainer(stub, a)
     sampler = DistributedSampler(range(size), batch_size=BATCH, epochs=3, shuffle=False, batches_per_task=2,
                                  trainer=trainer)
     assert sampler.spec == spec
