@@ -3,7 +3,9 @@
 Each schedule is drawn from a seed: SIGKILL of any role (the chief included),
 SIGSTOP/SIGCONT past a lease or within it, the chief and a primary killed at the
 same moment, a checkpoint file corrupted under the job, a worker joining from
-outside and leaving again. ``shoal local`` supervises the job (restarting what it
+outside and leaving again, and (with ``--disk-faults``) the checkpoint disk full
+for a few seconds: the checkpoint directory is a small tmpfs of its own (root
+only) that the nemesis fills and frees again. ``shoal local`` supervises the job (restarting what it
 kills); the nemesis only hurts it. After the run it checks, from the run's own
 records (the summary, the checkpoint directory, the process table):
 
@@ -23,6 +25,7 @@ with violations can be replayed with ``--replay '<its schedule JSON>'``.
 
     .venv/bin/python bench/nemesis.py --seeds 1 2 3          # fixed seeds
     .venv/bin/python bench/nemesis.py --count 50 --first 100 # 50 schedules from seeds 100..149
+    .venv/bin/python bench/nemesis.py --count 10 --disk-faults  # the checkpoint disk fills, too
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ DIGITS = str(ROOT / "examples" / "digits.py")
 SHOAL = [sys.executable, "-m", "shoal.cli"]
 ROLES = ("chief", "ps0", "ps1", "worker0", "worker1")
 ACTIONS = ("kill", "pause", "kill_chief_and_primary", "corrupt_checkpoint", "join_leave")
+DISK_ACTIONS = ACTIONS + ("disk_full",)        # --disk-faults (ACTIONS alone: earlier seeds replay unchanged)
+CKPT_FS_BYTES = 64 << 20                       # the checkpoint tmpfs that disk_full fills
 LEASE_S = 1.5
 
 
@@ -71,12 +76,12 @@ class Schedule:
         return cls(d["seed"], d.get("epochs", 2), d.get("mode", "sync"), [Fault(**f) for f in d["faults"]])
 
 
-def draw(seed: int, faults: int = 2) -> Schedule:
+def draw(seed: int, faults: int = 2, disk: bool = False) -> Schedule:
     """A schedule of ``faults`` faults from ``seed``: the same seed always gives the same schedule."""
     rng = random.Random(seed)
     s = Schedule(seed, epochs=rng.choice((2, 3)), mode=rng.choice(("sync", "async")))
     for _ in range(faults):
-        action = rng.choice(ACTIONS)
+        action = rng.choice(DISK_ACTIONS if disk else ACTIONS)
         at = round(rng.uniform(0.0, 6.0), 2)
         if action == "kill":
             s.faults.append(Fault(at, action, rng.choice(ROLES)))
@@ -87,6 +92,8 @@ def draw(seed: int, faults: int = 2) -> Schedule:
             s.faults.append(Fault(at, action, rng.choice(("ps0", "ps1"))))
         elif action == "corrupt_checkpoint":
             s.faults.append(Fault(at, action))
+        elif action == "disk_full":                  # frees it again well before the job ends
+            s.faults.append(Fault(at, action, "", round(rng.uniform(1.0, 4.0), 2)))
         else:
             s.faults.append(Fault(at, action, "", round(rng.uniform(2.0, 6.0), 2)))
     s.faults.sort(key=lambda f: f.at)
@@ -106,6 +113,7 @@ class Run:
         self.outside: list[subprocess.Popen] = []
         self.log: list[str] = []                     # what the nemesis did, with times
         self.corrupted: set[int] = set()             # steps of the checkpoints it damaged
+        self.own_fs = False                          # the checkpoint directory is a tmpfs of this run's
         self.t0 = 0.0
 
     def pids(self) -> dict[str, int]:
@@ -174,6 +182,8 @@ class Run:
                 self.note(f"corrupted {found[0].name}/{files[0].name}")
             else:
                 self.note("corrupt_checkpoint: no checkpoint yet")
+        elif f.action == "disk_full":
+            self.fill_disk(f.seconds)
         elif f.action == "join_leave":
             address = (self.run_dir / "chief.address").read_text()
             log = open(self.work / f"outside{len(self.outside)}.log", "w")
@@ -187,10 +197,45 @@ class Run:
                 p.send_signal(signal.SIGTERM)
                 self.note(f"outside worker left (SIGTERM {p.pid})")
 
+    def fill_disk(self, seconds: float) -> None:
+        """Fills the checkpoint filesystem (ENOSPC for every write), then frees it after ``seconds``."""
+        if not self.own_fs:
+            self.note("disk_full: skipped (the checkpoint directory is not a filesystem of its own: not root?)")
+            return
+        filler = self.ckpts / ".nemesis-filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        self.note(f"checkpoint disk full ({filler.stat().st_size >> 20} MB filler) for {seconds}s")
+        time.sleep(seconds)
+        filler.unlink()
+        self.note("checkpoint disk freed")
+
+    def mount_checkpoint_fs(self) -> None:
+        """A tmpfs of its own under the checkpoint directory, when a schedule fills it (root only)."""
+        self.ckpts.mkdir(parents=True, exist_ok=True)
+        if not any(f.action == "disk_full" for f in self.s.faults) or os.geteuid() != 0:
+            return
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={CKPT_FS_BYTES}", "tmpfs", str(self.ckpts)],
+                           capture_output=True, text=True)
+        self.own_fs = r.returncode == 0
+        if not self.own_fs:
+            self.note(f"could not mount a tmpfs for the checkpoints: {r.stderr.strip()}")
+
+    def unmount_checkpoint_fs(self) -> None:
+        if self.own_fs:
+            subprocess.run(["umount", "-l", str(self.ckpts)], capture_output=True)
+            self.own_fs = False
+
     def script_args(self) -> list[str]:
         return ["--epochs", str(self.s.epochs), "--step-delay", "0.01"]
 
     def go(self) -> dict:
+        self.mount_checkpoint_fs()
         self.t0 = time.monotonic()
         log = open(self.work / "local.log", "w")
         proc = subprocess.Popen([*SHOAL, "local", "--run-dir", str(self.run_dir), "--summary",
@@ -350,7 +395,10 @@ def run_schedule(schedule: Schedule, work: Path | None = None, bound_s: float = 
     work = Path(work or tempfile.mkdtemp(prefix=f"nemesis-{schedule.seed}-"))
     work.mkdir(parents=True, exist_ok=True)
     run = Run(schedule, work, bound_s)
-    result = check(run, run.go())
+    try:
+        result = check(run, run.go())
+    finally:
+        run.unmount_checkpoint_fs()
     result["work"] = str(work)
     return result
 
@@ -361,6 +409,8 @@ def main() -> int:
     p.add_argument("--first", type=int, default=1, help="with --count: the first seed")
     p.add_argument("--count", type=int, default=1, help="how many schedules (seeds first, first+1, ...)")
     p.add_argument("--faults", type=int, default=2, help="faults per schedule")
+    p.add_argument("--disk-faults", action="store_true",
+                   help="draw the checkpoint disk filling up, too (root: the checkpoints get a tmpfs of their own)")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a run may take before it counts as a hang")
     p.add_argument("--replay", help="a schedule's JSON (as printed) to run again")
     p.add_argument("--keep", action="store_true",
@@ -371,7 +421,7 @@ def main() -> int:
         schedules = [Schedule.from_json(json.loads(args.replay))]
     else:
         seeds = args.seeds if args.seeds else list(range(args.first, args.first + args.count))
-        schedules = [draw(s, args.faults) for s in seeds]
+        schedules = [draw(s, args.faults, args.disk_faults) for s in seeds]
     bad = 0
     for s in schedules:
         work = Path(tempfile.mkdtemp(prefix=f"nemesis-{s.seed}-"))

@@ -7,12 +7,13 @@ checkpoint's temporary directory, which lives on storage every role shares.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from pathlib import Path
 
 from shoal.config import JobConfig
-from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
+from shoal.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from shoal.layout import ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -78,7 +79,10 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
                                      f"version {state.version}; not written to the checkpoint")
         frozen = shard.thaw() if request.thaw else 0.0
         t0 = time.perf_counter()
-        entry = write_shard_file(directory, state)
+        try:
+            entry = write_shard_file(directory, state)
+        except (OSError, RuntimeError) as exc:
+            raise _disk_error(exc, request.shard, directory) from None
         log.info("shard %d: wrote %s for checkpoint version %d (%d bytes, %.1f ms); updates held %.1f ms",
                  request.shard, entry["file"], state.version, entry["bytes"], (time.perf_counter() - t0) * 1e3,
                  frozen * 1e3)
@@ -91,6 +95,21 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
         self.guard.require(context, auth.OPERATOR)
         shard = self.host.shards.get(request.shard)
         return pb.ThawReply(frozen_seconds=shard.thaw() if shard is not None else 0.0)
+
+
+def _disk_error(exc: BaseException, shard: int, directory: Path) -> Exception:
+    """A checkpoint file that could not be written (a full disk, a read-only or vanished directory) as
+    one line for the chief, not a traceback; anything that is no filesystem error is raised as it was."""
+    cause = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return exc
+    what = f"shard {shard}: cannot write its checkpoint file in {directory}: {cause.strerror or cause}"
+    log.warning("%s", what)
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(what)
+    return FailedPrecondition(what)
 
 
 def _pending_dir(directory: str) -> Path:

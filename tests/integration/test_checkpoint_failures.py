@@ -41,6 +41,34 @@ def test_a_full_disk_is_counted_shown_and_named_by_export(tmp_path, monkeypatch,
     assert err.count("\n") == 1                                      # one line
 
 
+def test_a_disk_that_fills_under_the_servers_is_one_line_naming_it_not_a_traceback(tmp_path, monkeypatch, caplog):
+    """The disk fills while the servers write their shard files (torch.save fails with a RuntimeError
+    whose cause is the OSError): the chief's error names the full disk, and no server logs an ERROR
+    with a traceback for an operational failure."""
+    from shoal.ps import checkpoint_servicer
+
+    root = tmp_path / "ckpts"
+    c = cluster(1, root)
+    try:
+        model = mlp(0)
+        t = Trainer(model, chief=c.chief_address, optimizer="adam", lr=0.02)
+
+        def full(directory, state):
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as exc:
+                raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from exc
+        monkeypatch.setattr(checkpoint_servicer, "write_shard_file", full)
+        train(t, model, until=lambda: job_stats(c).checkpoints_failed >= 1)
+        error = job_stats(c).checkpoint_error
+        assert "RESOURCE_EXHAUSTED" in error and "No space left on device" in error, error
+        assert "see the server log" not in error
+        assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "shoal.rpc"]
+        t.close()
+    finally:
+        c.stop()
+
+
 def test_failures_are_counted_afresh_after_a_checkpoint_succeeds(tmp_path):
     record_failure(tmp_path, 10, "boom")
     record_failure(tmp_path, 12, "boom")
