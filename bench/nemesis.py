@@ -365,9 +365,15 @@ def check(run: Run, outcome: dict) -> dict:
                 why.append("the final checkpoint differs from the servers' final weights")
         try:
             acc = export_accuracy(run.ckpts, run.work / "model.pt")
-            v["export_scores"] = abs(acc - float(summary.get("test_accuracy", -1))) <= 0.02
-            if not v["export_scores"]:
-                why.append(f"exported model scores {acc:.4f}, the job reported {summary.get('test_accuracy')}")
+            if v["final_checkpoint"] is None:
+                # the nemesis damaged the final checkpoint: export takes an older one, whose score
+                # nobody reported; it must still load strictly and score (export_accuracy did both)
+                v["export_scores"] = None
+                why.append(f"export score not compared: an older checkpoint was exported ({acc:.4f})")
+            else:
+                v["export_scores"] = abs(acc - float(summary.get("test_accuracy", -1))) <= 0.02
+                if not v["export_scores"]:
+                    why.append(f"exported model scores {acc:.4f}, the job reported {summary.get('test_accuracy')}")
         except Exception as exc:  # noqa: BLE001 - any failure to export or load is the finding
             v["export_scores"] = False
             why.append(f"export: {exc}")
