@@ -94,6 +94,11 @@ class Shard:
         self._round_sum: torch.Tensor | None = None
         self._round_sparse = True
         self._round_workers: set[str] = set()
+        # Workers present in the open round with nothing new for it: their push, computed on this
+        # version, named batches this shard applied in an earlier round. A sync round does not wait for them
+        # (it would wait for ever if that worker's only work is such a batch, handed back by another
+        # shard whose round in turn waits on this one), and does not count them in its average.
+        self._round_present: set[str] = set()
         self._round_keys: list[str] = []
         self._round_batches: dict[BatchKey, str] = {}
         self._round_hparams: dict[str, float] = {}
@@ -160,6 +165,9 @@ class Shard:
                 applied = tuple(b for b, owner in owners.items() if owner is not None)
                 if applied:
                     self.stats.pushes_dropped += 1
+                    if version == self.version and all(self.ledger.owner(b) for b in applied):
+                        self._round_present.add(worker)      # applied in an earlier round: nothing new
+                        self._maybe_close_round()
                     b = applied[0]
                     return PushResult(False, self.version, f"batch {b.epoch}/{b.start} was applied by push "
                                       f"{owners[b]}", duplicate=True, applied=applied)
@@ -240,7 +248,8 @@ class Shard:
         return self._live & self._pushed
 
     def _maybe_close_round(self) -> None:
-        if self.fenced or self._holding() or not self.rule.round_complete(self._round_workers, self._expected()):
+        if not self._round_workers or self.fenced or self._holding() or \
+                not self.rule.round_complete(self._round_workers | self._round_present, self._expected()):
             return
         n = len(self._round_workers)
         assert self._round_sum is not None
@@ -259,7 +268,7 @@ class Shard:
             # without the lock, so that a replicator holding it cannot delay the view): not applied.
             self._check_not_fenced()
         self._apply(update)
-        self._round_sum, self._round_workers, self._round_keys = None, set(), []
+        self._round_sum, self._round_workers, self._round_keys, self._round_present = None, set(), [], set()
         self._round_batches, self._round_hparams = {}, {}
         log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
 
@@ -278,6 +287,7 @@ class Shard:
     def _fence_locked(self, why: str) -> None:
         self.fenced = self.fenced or why
         self._round_sum, self._round_workers, self._round_keys, self._round_batches = None, set(), [], {}
+        self._round_present = set()
         self._cond.notify_all()
 
     def _check_not_fenced(self) -> None:

@@ -216,3 +216,36 @@ def test_ssp_newcomer_starts_level_with_the_slowest():
     s.set_live_workers({"a", "b"})                       # b joins late: a is not held back by 3 steps
     assert s.push("b", 3, ones(1), wait_s=0.05).accepted
     assert s.push("a", 4, ones(1), wait_s=0.05).accepted
+
+
+def test_a_sync_round_does_not_wait_for_a_worker_whose_push_is_a_batch_applied_before():
+    """Found by the nemesis (seed 119, sync): shard 0's round waited for worker b, whose only work was
+    batch X, already applied on shard 0 (so refused there as a duplicate) and handed back again and
+    again by shard 1, whose own round waited for a, who waited on shard 0. Training stood still for
+    four minutes while b retrained X thousands of times. A duplicate pushed on the round's version
+    now shows b present with nothing new: the round closes with a's gradient alone."""
+    from shoal.ps.ledger import BatchKey
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})
+    x = BatchKey(0, 0)
+    s.push("a", 0, ones(1), key="a1", batch=x)
+    s.push("b", 0, ones(1), key="b1", batch=BatchKey(0, 8))
+    assert s.version == 1 and s.ledger.starts(0) == {0: 1, 8: 1}
+    before = s.values().clone()
+    assert s.push("a", 1, ones(3), key="a2", batch=BatchKey(0, 16)).accepted
+    assert s.version == 1                                    # waits for b
+    again = s.push("b", 1, ones(1), key="b2", batch=x)       # b retrained x, which this shard has
+    assert again.duplicate and not again.accepted
+    assert s.version == 2 and s.ledger.starts(0) == {0: 1, 8: 1, 16: 1}
+    assert torch.equal(before - s.values(), ones(3))         # lr 1 x a's 3, alone: not (3 + 0) / 2
+
+
+def test_a_duplicate_from_an_older_version_does_not_count_as_presence():
+    from shoal.ps.ledger import BatchKey
+    s = shard(SyncRule())
+    s.set_live_workers({"a", "b"})
+    s.push("a", 0, ones(1), key="a1", batch=BatchKey(0, 0))
+    s.push("b", 0, ones(1), key="b1", batch=BatchKey(0, 8))
+    s.push("a", 1, ones(1), key="a2", batch=BatchKey(0, 16))
+    assert s.push("b", 0, ones(1), key="b2", batch=BatchKey(0, 0)).duplicate   # computed on version 0
+    assert s.version == 1                                    # b has not seen version 1: still waited for
