@@ -28,6 +28,7 @@ class TaskQueue:
         self.spec: DatasetSpec | None = None
         self._todo: collections.deque[Task] = collections.deque()
         self._doing: dict[int, tuple[str, Task]] = {}
+        self._held: dict[str, dict[int, Task]] = {}     # member -> its tasks in _doing (GetTasks asks per call)
         self._progress: dict[int, int] = {}          # task id -> first sample not yet pushed
         self._done: set[int] = set()
         self._attempts: collections.Counter[int] = collections.Counter()
@@ -103,11 +104,25 @@ class TaskQueue:
             t = self._todo.popleft()
             self._attempts[t.task_id] += 1
             t = dataclasses.replace(t, attempt=self._attempts[t.task_id])
-            self._doing[t.task_id] = (member, t)
+            self._hold(member, t)
             out.append(t)
         return out
 
-    def _held(self, member: str, task_id: int) -> Task | None:
+    def _hold(self, member: str, t: Task) -> None:
+        self._unhold(t.task_id)
+        self._doing[t.task_id] = (member, t)
+        self._held.setdefault(member, {})[t.task_id] = t
+
+    def _unhold(self, task_id: int) -> None:
+        held = self._doing.pop(task_id, None)
+        if held is None:
+            return
+        mine = self._held[held[0]]
+        del mine[task_id]
+        if not mine:
+            del self._held[held[0]]
+
+    def _held_task(self, member: str, task_id: int) -> Task | None:
         held = self._doing.get(task_id)
         if held is None:
             if task_id in self._done:
@@ -126,10 +141,10 @@ class TaskQueue:
                 (held is not None and held[0] != member):
             log.info("ignoring a late report of task %d from %s (re-queued after its lease ended)", task_id, member)
             return
-        t = self._held(member, task_id)
+        t = self._held_task(member, task_id)
         if t is None:
             return
-        del self._doing[task_id]
+        self._unhold(task_id)
         self._progress.pop(task_id, None)
         self._done.add(task_id)
         self._open_per_epoch[t.epoch] -= 1
@@ -155,10 +170,8 @@ class TaskQueue:
     def release(self, member: str) -> list[Task]:
         """Puts the member's unfinished tasks back at the front of the queue, from their progress."""
         back = []
-        for m, t in list(self._doing.values()):
-            if m != member:
-                continue
-            del self._doing[t.task_id]
+        for t in list(self._held.get(member, {}).values()):
+            self._unhold(t.task_id)
             resume = self._progress.pop(t.task_id, t.start)
             if resume >= t.stop:                      # everything was pushed: it only missed the report
                 self._done.add(t.task_id)
@@ -172,7 +185,8 @@ class TaskQueue:
         return back
 
     def held_by(self, member: str) -> list[Task]:
-        return [t for m, t in self._doing.values() if m == member]
+        """The member's tasks, in the order it took them: a lookup, not a scan of every held task."""
+        return list(self._held.get(member, {}).values())
 
     # ------------------------------------------------------------ persistence
 
@@ -200,7 +214,8 @@ class TaskQueue:
         q = cls()
         q.spec = DatasetSpec(**d["spec"]) if d["spec"] is not None else None
         q._todo = collections.deque(Task(*t) for t in d["todo"])
-        q._doing = {t[0]: (m, Task(*t)) for m, t in d["doing"]}
+        for m, t in d["doing"]:
+            q._hold(m, Task(*t))
         q._progress = {int(k): int(v) for k, v in d["progress"]}
         q._done = {int(k) for k in d["done"]}
         q._attempts = collections.Counter({int(k): int(v) for k, v in d["attempts"]})
