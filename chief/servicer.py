@@ -63,7 +63,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         if self.journal is None:
             return
         try:
-            self.journal.write(self.state.to_dict(), event)
+            self.journal.append(self.state.take_changes(), event, self.state.journal_snapshot)
         except JournalError as exc:
             self.failed = exc
             log.critical("%s; the chief stops", exc)

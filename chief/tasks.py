@@ -37,6 +37,9 @@ class TaskQueue:
         self._tasks_per_epoch = 0
         self._next_extra = 0
         self._extra = 0
+        # With a journal (chief/journal.py), every call that changes the queue is recorded, and replayed
+        # on the last snapshot when the chief restarts: the queue is deterministic (its shuffles are seeded).
+        self.ops: list[list] | None = None
 
     def configure(self, spec: DatasetSpec) -> None:
         """The first worker describes the dataset; later ones must describe the same."""
@@ -49,6 +52,32 @@ class TaskQueue:
                      spec.size, spec.batch_size, spec.epochs, self._tasks_per_epoch)
         elif spec != self.spec:
             raise FailedPrecondition(f"dataset differs from the job's: job has {self.spec}, worker sent {spec}")
+        else:
+            return
+        self._record("configure", dataclasses.asdict(spec))
+
+    def _record(self, *op) -> None:
+        if self.ops is not None:
+            self.ops.append(list(op))
+
+    def take_ops(self) -> list[list]:
+        """The calls recorded since the last take (starts recording on the first)."""
+        ops, self.ops = self.ops or [], []
+        return ops
+
+    def replay(self, ops: list[list]) -> None:
+        """Applies recorded calls (:meth:`take_ops`) again, in order, without logging them twice."""
+        disabled, log.disabled = log.disabled, True
+        try:
+            for name, *args in ops:
+                if name == "configure":
+                    self.configure(DatasetSpec(**args[0]))
+                elif name in ("take", "complete", "progress", "requeue_batch", "release"):
+                    getattr(self, name)(*args)
+                else:
+                    raise InvalidArgument(f"unknown task queue operation {name!r} in the journal")
+        finally:
+            log.disabled = disabled
 
     @property
     def total(self) -> int:
@@ -106,6 +135,8 @@ class TaskQueue:
             t = dataclasses.replace(t, attempt=self._attempts[t.task_id])
             self._hold(member, t)
             out.append(t)
+        if out:
+            self._record("take", member, max_tasks)
         return out
 
     def _hold(self, member: str, t: Task) -> None:
@@ -148,12 +179,16 @@ class TaskQueue:
         self._progress.pop(task_id, None)
         self._done.add(task_id)
         self._open_per_epoch[t.epoch] -= 1
+        self._record("complete", member, task_id)
 
     def progress(self, member: str, task_id: int, next_start: int) -> None:
         """The member pushed every batch of the task before ``next_start``."""
         held = self._doing.get(task_id)
         if held is not None and held[0] == member and held[1].start <= next_start <= held[1].stop:
-            self._progress[task_id] = max(next_start, self._progress.get(task_id, held[1].start))
+            new = max(next_start, self._progress.get(task_id, held[1].start))
+            if self._progress.get(task_id) != new:
+                self._progress[task_id] = new
+                self._record("progress", member, task_id, next_start)
 
     def requeue_batch(self, member: str, epoch: int, start: int, stop: int) -> Task:
         """A batch a shard dropped goes back to the front of the queue as its own task."""
@@ -164,12 +199,15 @@ class TaskQueue:
         self._extra += 1
         self._open_per_epoch[epoch] += 1
         self._todo.appendleft(t)
+        self._record("requeue_batch", member, epoch, start, stop)
         log.debug("batch [%d, %d) of epoch %d from %s re-queued as task %d", start, stop, epoch, member, t.task_id)
         return t
 
     def release(self, member: str) -> list[Task]:
         """Puts the member's unfinished tasks back at the front of the queue, from their progress."""
         back = []
+        if member in self._held:
+            self._record("release", member)
         for t in list(self._held.get(member, {}).values()):
             self._unhold(t.task_id)
             resume = self._progress.pop(t.task_id, t.start)
