@@ -219,13 +219,13 @@ def plot(out: Path, files: list[Path]) -> None:
                       key=lambda r: r["members"])
         label = rows[0].get("label") or f.stem
         xs = [r["members"] for r in rows]
-        for op in OPS:
+        for i, op in enumerate(OPS):
             ys = [r["cpu_us_per_op"][op] for r in rows]
-            ax.plot(xs, ys, styles[fi % 4], marker="o", label=f"{op} ({label})")
-        axj.plot(xs, [r["journal_cpu_us_per_change"] for r in rows], styles[fi % 4], marker="o",
+            ax.plot(xs, ys, styles[fi % 4], color=f"C{i}", marker="o", label=f"{op} ({label})")
+        axj.plot(xs, [r["journal_cpu_us_per_change"] for r in rows], styles[fi % 4], color="C0", marker="o",
                  label=f"journal CPU us/change ({label})")
-        axj.plot(xs, [r["journal_bytes_per_change"] for r in rows], styles[fi % 4], marker="s",
-                 label=f"journal bytes/change ({label})")
+        axj.plot(xs, [r["journal_bytes_per_change"] for r in rows], styles[fi % 4], color="C1", marker="s",
+                 label=f"journal bytes to write(2)/change ({label})")
     for a, title in ((ax, "chief pure state: CPU per operation"), (axj, "chief journal per heartbeat change")):
         a.set_xscale("log")
         a.set_yscale("log")
