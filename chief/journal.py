@@ -163,7 +163,7 @@ class Journal:
             if changes[kind]:
                 rows.append((kind, json.dumps(changes[kind], separators=(",", ":"))))
         size = sum(len(body) for _, body in rows)
-        if self._need_snapshot or self._change_bytes + size > max(self.compact_bytes, self._snapshot_bytes):
+        if changes["whole"] or self._need_snapshot or self._change_bytes + size > max(self.compact_bytes, self._snapshot_bytes):
             self.write(snapshot(), event)
         else:
             self._write(rows, event)

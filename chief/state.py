@@ -318,8 +318,10 @@ class ChiefState:
     def take_changes(self) -> dict:
         """What changed since the last call, for the journal (chief/journal.py): the small parts whole,
         the members and step times that changed, the task queue's calls in order (the first call starts
-        recording them). It costs what changed, not what the state holds."""
-        changes = {"clock": self._clock(), "small": self._small_dict(), "members_meta": self.members.meta(),
+        recording them). It costs what changed, not what the state holds. ``whole``: the task queue
+        was not recording (the first call, or a queue put in place since, as a checkpoint's on resume):
+        only a whole snapshot holds it."""
+        changes = {"whole": self.tasks.ops is None, "clock": self._clock(), "small": self._small_dict(), "members_meta": self.members.meta(),
                    "members": self.members.take_changed(),
                    "steps": [[k, self.step_seconds[k]] for k in self._steps_changed],
                    "tasks": self.tasks.take_ops()}

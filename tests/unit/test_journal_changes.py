@@ -68,6 +68,20 @@ def test_changes_outgrowing_the_snapshot_compact_into_a_new_one(tmp_path, clock)
     assert j.load() == plain(s.to_dict())
 
 
+def test_a_task_queue_put_in_place_after_the_first_write_is_journaled_whole(tmp_path, clock):
+    s, ws = cluster(clock, 3)
+    j = Journal(tmp_path / "chief.db")
+    save(j, s, "start")
+    s.take_tasks(ws[0], None, 1)
+    save(j, s)
+    restored = type(s.tasks).from_dict(s.tasks.to_dict())     # as a checkpoint's queue on resume
+    restored.release(ws[1])
+    s.tasks = restored
+    save(j, s)
+    assert j.snapshots == 2
+    assert Journal(tmp_path / "chief.db").load() == plain(s.to_dict())
+
+
 def random_step(s, rng, clock, spec_sent):
     """One event of a random job: joins, heartbeats with progress, task hand-outs with done and dropped
     batches, metrics, leaves, lost leases, promotions."""
