@@ -1,8 +1,16 @@
 """The chief's journal: its whole state in SQLite, so a chief that dies comes back where it was.
 
-One row holds the newest :meth:`ChiefState.to_dict` snapshot as JSON; every
-write replaces it and appends a line to a bounded event log (the last
-``keep_events`` events with timestamps, for debugging), in one transaction.
+One row holds a :meth:`ChiefState.to_dict` snapshot as JSON; a write appends
+only what changed since the last one (:meth:`ChiefState.take_changes`: the
+members whose rows changed, the task queue's calls, the small parts when they
+differ) to a ``changes`` table, and :meth:`Journal.load` replays them on the
+snapshot. So a write costs what changed, not the size of the cluster. A write
+is a whole snapshot instead (and the changes are deleted) on a process's first
+write (rows hold times of the chief's own clock, which a restart does not keep)
+and when the changes since the snapshot outgrow it (at least ``compact_bytes``):
+compaction now and then, amortized to a constant per change. Every write also
+appends a line to a bounded event log (the last ``keep_events`` events with
+timestamps, for debugging), all in one transaction.
 The database runs in WAL mode with ``synchronous=NORMAL``: a write is in the
 WAL before the chief replies, so a reply a member has seen survives a crash of
 the chief process (a host power loss may lose the last writes; pass
@@ -23,9 +31,12 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import grpc
 
+from shoal.chief.membership import Membership
+from shoal.chief.tasks import TaskQueue
 from shoal.errors import EXIT_REFUSED, ShoalError
 
 log = logging.getLogger(__name__)
@@ -38,6 +49,11 @@ CREATE TABLE IF NOT EXISTS snapshot (
     written_at REAL NOT NULL,
     writes INTEGER NOT NULL,
     state TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -62,11 +78,17 @@ class JournalUnreadable(JournalError):
 
 class Journal:
     def __init__(self, path: str | os.PathLike, *, fresh: bool = False, synchronous: str = "NORMAL",
-                 keep_events: int = 1000):
+                 keep_events: int = 1000, compact_bytes: int = 1 << 20):
         if synchronous.upper() not in SYNCHRONOUS:
             raise ValueError(f"synchronous must be one of {', '.join(SYNCHRONOUS)}, got {synchronous!r}")
         self.path = Path(path)
         self.keep_events = keep_events
+        self.compact_bytes = compact_bytes
+        self.snapshots = 0              # writes that were whole snapshots (the rest appended changes)
+        self._need_snapshot = True      # this process's first write is whole: see the module's docstring
+        self._snapshot_bytes = 0
+        self._change_bytes = 0
+        self._last_small = ""
         self.writes = 0
         self.write_seconds = 0.0
         self._lock = threading.Lock()
@@ -106,33 +128,60 @@ class Journal:
                     log.warning("starting fresh: moved the old journal %s to %s.bak", self.path, self.path)
 
     def load(self) -> dict | None:
-        """The latest snapshot, or None for a new journal. Raises JournalError if it cannot be read."""
+        """The latest state (the snapshot with the changes since replayed on it), or None for a new
+        journal. Raises JournalError if it cannot be read."""
         with self._lock:
             try:
                 row = self._db.execute("SELECT state FROM snapshot WHERE id = 1").fetchone()
+                changes = self._db.execute("SELECT kind, body FROM changes ORDER BY seq").fetchall()
             except sqlite3.Error as exc:
                 raise self._unreadable(exc) from exc
         if row is None:
             return None
         try:
             state = json.loads(row[0])
-        except ValueError as exc:
+            if not isinstance(state, dict):
+                raise ValueError(f"snapshot is a {type(state).__name__}, not an object")
+            return replay(state, [(kind, json.loads(body)) for kind, body in changes])
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise self._unreadable(exc) from exc
-        if not isinstance(state, dict):
-            raise self._unreadable(ValueError(f"snapshot is a {type(state).__name__}, not an object"))
-        return state
 
     def write(self, state: dict, event: str) -> None:
-        """Replaces the snapshot and logs ``event``, atomically and durably (before the caller replies)."""
-        text = json.dumps(state, separators=(",", ":"))
+        """Replaces the snapshot (and the changes since) and logs ``event``, atomically and durably
+        (before the caller replies)."""
+        self._write([("snapshot", json.dumps(state, separators=(",", ":")))], event)
+        self._need_snapshot = "clock" not in state      # changes apply only to a snapshot that has one
+
+    def append(self, changes: dict, event: str, snapshot: Callable[[], dict]) -> None:
+        """Journals :meth:`ChiefState.take_changes` (``changes``) and logs ``event``, atomically and
+        durably; or, when it is time to compact, ``snapshot()`` (:meth:`ChiefState.journal_snapshot`)."""
+        small = json.dumps([changes["small"], changes["members_meta"]], separators=(",", ":"))
+        rows = [("clock", json.dumps(changes["clock"]))]
+        if small != self._last_small:
+            rows.append(("small", small))
+        for kind in ("members", "steps", "tasks"):
+            if changes[kind]:
+                rows.append((kind, json.dumps(changes[kind], separators=(",", ":"))))
+        size = sum(len(body) for _, body in rows)
+        if changes["whole"] or self._need_snapshot or self._change_bytes + size > max(self.compact_bytes, self._snapshot_bytes):
+            self.write(snapshot(), event)
+        else:
+            self._write(rows, event)
+        self._last_small = small
+
+    def _write(self, rows: list[tuple[str, str]], event: str) -> None:
         t0 = time.perf_counter()
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 now = time.time()
                 self._total_writes += 1
-                self._db.execute("INSERT OR REPLACE INTO snapshot (id, written_at, writes, state) VALUES (1, ?, ?, ?)",
-                                 (now, self._total_writes, text))
+                if rows[0][0] == "snapshot":
+                    self._db.execute("INSERT OR REPLACE INTO snapshot (id, written_at, writes, state) "
+                                     "VALUES (1, ?, ?, ?)", (now, self._total_writes, rows[0][1]))
+                    self._db.execute("DELETE FROM changes")
+                else:
+                    self._db.executemany("INSERT INTO changes (kind, body) VALUES (?, ?)", rows)
                 cur = self._db.execute("INSERT INTO events (at, event) VALUES (?, ?)", (now, event))
                 if cur.lastrowid % 100 == 0:
                     self._db.execute("DELETE FROM events WHERE seq <= ?", (cur.lastrowid - self.keep_events,))
@@ -142,7 +191,13 @@ class Journal:
                     self._db.execute("ROLLBACK")
                 except sqlite3.Error:
                     pass
+                self._need_snapshot = True     # what the failed write held is in no row: start over whole
                 raise JournalError(f"cannot write the chief journal {self.path}: {exc}") from exc
+        if rows[0][0] == "snapshot":
+            self.snapshots += 1
+            self._snapshot_bytes, self._change_bytes = len(rows[0][1]), 0
+        else:
+            self._change_bytes += sum(len(body) for _, body in rows)
         self.writes += 1
         self.write_seconds += time.perf_counter() - t0
 
@@ -155,3 +210,45 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def replay(state: dict, changes: list[tuple[str, object]]) -> dict:
+    """The snapshot ``state`` with the journal's ``changes`` (kind, body) applied in order: the state
+    as :meth:`ChiefState.to_dict` gave it at the last write, times relative to that write."""
+    base = state.pop("clock", None)
+    if not changes:
+        return state
+    now = base
+    members = {e["member_id"]: e for e in state["members"]["members"]}
+    changed: dict[str, dict] = {}
+    ops: list = []
+    for kind, body in changes:
+        if kind == "clock":
+            now = body
+        elif kind == "small":
+            small, members_meta = body
+            state.update(small)
+            state["members"].update(members_meta)
+        elif kind == "members":
+            for row in body:
+                members[row["member_id"]] = changed[row["member_id"]] = row
+        elif kind == "steps":
+            state["step_seconds"].update((k, v) for k, v in body)
+        elif kind == "tasks":
+            ops.extend(body)
+        else:
+            raise ValueError(f"unknown change {kind!r}")
+    if base is None:
+        raise ValueError("changes follow a snapshot without its clock")
+    moved = now - base
+    for mid, e in members.items():
+        if mid in changed:
+            members[mid] = Membership.entry_from_row(e, now)
+        elif moved:
+            members[mid] = {**e, "joined_ago": e["joined_ago"] + moved, "lease_left": e["lease_left"] - moved}
+    state["members"]["members"] = list(members.values())
+    if ops:
+        q = TaskQueue.from_dict(state["tasks"])
+        q.replay(ops)
+        state["tasks"] = q.to_dict()
+    return state

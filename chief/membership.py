@@ -54,6 +54,7 @@ class Membership:
         self._watches: dict[str, int] = {}
         self._watch_broken: dict[str, float] = {}
         self._conn_lost: dict[str, float] = {}
+        self._dirty: dict[str, None] = {}              # members changed since the journal's last write
         self._max_gap_s: float | None = None           # see bridge_pauses_over
         self._last_check: float | None = None
         self.pauses_bridged = 0
@@ -70,6 +71,7 @@ class Membership:
             self._clear_sightings(member_id)
         if old is not None and old.live and old.role is role:
             old.lease_until = now + self.lease_seconds
+            self._dirty[member_id] = None
             return old
         if old is not None and old.state is MemberState.LEFT:
             log.info("member %s left for good; a join asking for that id gets a new one", member_id)
@@ -81,6 +83,7 @@ class Membership:
                    state=MemberState.IDLE if role is Role.WORKER else MemberState.ALIVE,
                    counters=old.counters if old is not None else Counters())
         self._members[member_id] = m
+        self._dirty[member_id] = None
         log.info("member %s joined (%s%s)", member_id, role.value, f" at {address}" if address else "")
         return m
 
@@ -92,6 +95,7 @@ class Membership:
         m.lease_until = self._clock() + self.lease_seconds
         if counters is not None:
             m.counters = counters
+        self._dirty[member_id] = None
         self._clear_sightings(member_id)         # it is alive, whatever its sockets did
         return True
 
@@ -101,6 +105,7 @@ class Membership:
             raise NotFound(f"unknown member {member_id!r}")
         if counters is not None:
             m.counters = counters
+        self._dirty[member_id] = None
         if m.live:
             m.state = MemberState.LEFT
             log.info("member %s left", member_id)
@@ -124,6 +129,7 @@ class Membership:
             else:
                 continue
             m.state = MemberState.EXPIRED
+            self._dirty[m.member_id] = None
             gone.append(m)
         return gone
 
@@ -144,6 +150,7 @@ class Membership:
             if m.live:
                 # never past a full lease from now: a member renewed since the wake keeps its own lease
                 m.lease_until = max(m.lease_until, min(m.lease_until + gap, now + self.lease_seconds))
+                self._dirty[m.member_id] = None
                 extended += 1
         for seen in (self._watch_broken, self._conn_lost):     # sightings age only while the chief runs
             for k in seen:
@@ -164,6 +171,7 @@ class Membership:
         until = self._clock() + left_s
         if until < m.lease_until:
             m.lease_until = until
+            self._dirty[member_id] = None
             log.debug("member %s: connection closed; lease cut to %.2fs", member_id, left_s)
         return True
 
@@ -215,6 +223,7 @@ class Membership:
         if m is None or not m.live:
             return None
         m.state = MemberState.EXPIRED
+        self._dirty[member_id] = None
         log.info("member %s expired (%s)", member_id, why)
         return m
 
@@ -234,6 +243,7 @@ class Membership:
         if not m.live or m.state is new:
             return False
         m.state = new
+        self._dirty[member_id] = None
         log.debug("member %s is %s", member_id, new.value)
         return True
 
@@ -250,13 +260,35 @@ class Membership:
         """JSON-able state. Clock values are stored relative to now (the clock may not survive a restart)."""
         now = self._clock()
         return {
-            "lease_seconds": self.lease_seconds,
-            "next_id": {r.value: n for r, n in self._next_id.items()},
+            **self.meta(),
             "members": [{"member_id": m.member_id, "role": m.role.value, "address": m.address, "host": m.host,
                          "joined_ago": now - m.joined_at, "lease_left": m.lease_until - now,
                          "state": m.state.value, "counters": dataclasses.asdict(m.counters)}
                         for m in self._members.values()],
         }
+
+    def take_changed(self) -> list[dict]:
+        """The members changed since the last call, as journal rows with the clock's own times (the
+        journal turns them into times relative to its last write when it loads them); clears the list."""
+        rows = [{"member_id": m.member_id, "role": m.role.value, "address": m.address, "host": m.host,
+                 "joined_at": m.joined_at, "lease_until": m.lease_until, "state": m.state.value,
+                 "counters": dataclasses.asdict(m.counters)}
+                for m in (self._members[k] for k in self._dirty)]
+        self._dirty = {}
+        return rows
+
+    def meta(self) -> dict:
+        """:meth:`to_dict` without the members (a journal row of its own, see take_changed)."""
+        return {"lease_seconds": self.lease_seconds, "next_id": {r.value: n for r, n in self._next_id.items()}}
+
+    @staticmethod
+    def entry_from_row(row: dict, now: float) -> dict:
+        """A :meth:`take_changed` row as a :meth:`to_dict` entry at clock time ``now``."""
+        e = {k: v for k, v in row.items() if k not in ("joined_at", "lease_until")}
+        e["joined_ago"] = now - row["joined_at"]
+        e["lease_left"] = row["lease_until"] - now
+        return {k: e[k] for k in ("member_id", "role", "address", "host", "joined_ago", "lease_left", "state",
+                                  "counters")}
 
     @classmethod
     def from_dict(cls, d: dict, clock: Callable[[], float], fresh_leases: bool = False) -> "Membership":

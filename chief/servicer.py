@@ -1,7 +1,8 @@
 """gRPC servicer of the chief: one lock, one state call per RPC, proto in and out.
 
-With a journal, every RPC that changed durable state writes the state before
-it replies, still inside the lock (heartbeat-only changes are batched: at most
+With a journal, every RPC that changed durable state journals what it changed
+(``ChiefState.take_changes``, appended; chief/journal.py) before it replies,
+still inside the lock (heartbeat-only changes are batched: at most
 one write per ``heartbeat_flush_s``). A write that fails leaves the chief
 ``failed``: it answers Unavailable from then on and its server stops, so it
 restarts from the journal instead of running on with state it cannot keep.
@@ -63,7 +64,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         if self.journal is None:
             return
         try:
-            self.journal.write(self.state.to_dict(), event)
+            self.journal.append(self.state.take_changes(), event, self.state.journal_snapshot)
         except JournalError as exc:
             self.failed = exc
             log.critical("%s; the chief stops", exc)

@@ -32,6 +32,8 @@ class ChiefState:
         self.secret = secret or tokens.new_secret()
         self.straggler_factor = straggler_factor
         self.step_seconds: dict[str, float] = {}
+        self._steps_changed: dict[str, None] = {}     # since the journal's last write (take_changes)
+        self._clock = clock
         self.epoch = 0
         self.members = Membership(job.lease_seconds, clock)
         self.tasks = TaskQueue()
@@ -114,8 +116,9 @@ class ChiefState:
                 self._changed(f"shard {k}'s backup {backup} is complete")
         for task_id, next_start in (progress or {}).items():
             self.tasks.progress(member_id, task_id, next_start)
-        if step_seconds > 0:
+        if step_seconds > 0 and self.step_seconds.get(member_id) != step_seconds:
             self.step_seconds[member_id] = step_seconds
+            self._steps_changed[member_id] = None
         return True
 
     def stragglers(self) -> set[str]:
@@ -284,12 +287,20 @@ class ChiefState:
     def to_dict(self) -> dict:
         """The whole state as JSON-able values; :meth:`from_dict` rebuilds it."""
         return {
+            **self._small_dict(),
+            "step_seconds": dict(self.step_seconds),
+            "members": self.members.to_dict(),
+            "tasks": self.tasks.to_dict(),
+        }
+
+    def _small_dict(self) -> dict:
+        """The parts of :meth:`to_dict` whose size does not grow with the members or the tasks."""
+        return {
             "format": STATE_FORMAT,
             "job": dataclasses.asdict(self.job),
             "epoch": self.epoch,
             "secret": self.secret.hex(),
             "straggler_factor": self.straggler_factor,
-            "step_seconds": dict(self.step_seconds),
             "layout": None if self.layout is None else [[t.name, list(t.shape), t.dtype] for t in self.layout.specs],
             "routing": [[k, mid] for k, mid in sorted(self.routing.items())],
             "backups": [[k, mid] for k, mid in sorted(self.backups.items())],
@@ -298,9 +309,24 @@ class ChiefState:
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
-            "members": self.members.to_dict(),
-            "tasks": self.tasks.to_dict(),
         }
+
+    def journal_snapshot(self) -> dict:
+        """:meth:`to_dict` and the clock's time: the base that the journal's later changes apply to."""
+        return {**self.to_dict(), "clock": self._clock()}
+
+    def take_changes(self) -> dict:
+        """What changed since the last call, for the journal (chief/journal.py): the small parts whole,
+        the members and step times that changed, the task queue's calls in order (the first call starts
+        recording them). It costs what changed, not what the state holds. ``whole``: the task queue
+        was not recording (the first call, or a queue put in place since, as a checkpoint's on resume):
+        only a whole snapshot holds it."""
+        changes = {"whole": self.tasks.ops is None, "clock": self._clock(), "small": self._small_dict(), "members_meta": self.members.meta(),
+                   "members": self.members.take_changed(),
+                   "steps": [[k, self.step_seconds[k]] for k in self._steps_changed],
+                   "tasks": self.tasks.take_ops()}
+        self._steps_changed = {}
+        return changes
 
     @classmethod
     def from_dict(cls, d: dict, clock: Callable[[], float], recover: bool = False) -> "ChiefState":

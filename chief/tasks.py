@@ -28,6 +28,7 @@ class TaskQueue:
         self.spec: DatasetSpec | None = None
         self._todo: collections.deque[Task] = collections.deque()
         self._doing: dict[int, tuple[str, Task]] = {}
+        self._held: dict[str, dict[int, Task]] = {}     # member -> its tasks in _doing (GetTasks asks per call)
         self._progress: dict[int, int] = {}          # task id -> first sample not yet pushed
         self._done: set[int] = set()
         self._attempts: collections.Counter[int] = collections.Counter()
@@ -36,6 +37,9 @@ class TaskQueue:
         self._tasks_per_epoch = 0
         self._next_extra = 0
         self._extra = 0
+        # With a journal (chief/journal.py), every call that changes the queue is recorded, and replayed
+        # on the last snapshot when the chief restarts: the queue is deterministic (its shuffles are seeded).
+        self.ops: list[list] | None = None
 
     def configure(self, spec: DatasetSpec) -> None:
         """The first worker describes the dataset; later ones must describe the same."""
@@ -48,6 +52,32 @@ class TaskQueue:
                      spec.size, spec.batch_size, spec.epochs, self._tasks_per_epoch)
         elif spec != self.spec:
             raise FailedPrecondition(f"dataset differs from the job's: job has {self.spec}, worker sent {spec}")
+        else:
+            return
+        self._record("configure", dataclasses.asdict(spec))
+
+    def _record(self, *op) -> None:
+        if self.ops is not None:
+            self.ops.append(list(op))
+
+    def take_ops(self) -> list[list]:
+        """The calls recorded since the last take (starts recording on the first)."""
+        ops, self.ops = self.ops or [], []
+        return ops
+
+    def replay(self, ops: list[list]) -> None:
+        """Applies recorded calls (:meth:`take_ops`) again, in order, without logging them twice."""
+        disabled, log.disabled = log.disabled, True
+        try:
+            for name, *args in ops:
+                if name == "configure":
+                    self.configure(DatasetSpec(**args[0]))
+                elif name in ("take", "complete", "progress", "requeue_batch", "release"):
+                    getattr(self, name)(*args)
+                else:
+                    raise InvalidArgument(f"unknown task queue operation {name!r} in the journal")
+        finally:
+            log.disabled = disabled
 
     @property
     def total(self) -> int:
@@ -103,11 +133,27 @@ class TaskQueue:
             t = self._todo.popleft()
             self._attempts[t.task_id] += 1
             t = dataclasses.replace(t, attempt=self._attempts[t.task_id])
-            self._doing[t.task_id] = (member, t)
+            self._hold(member, t)
             out.append(t)
+        if out:
+            self._record("take", member, max_tasks)
         return out
 
-    def _held(self, member: str, task_id: int) -> Task | None:
+    def _hold(self, member: str, t: Task) -> None:
+        self._unhold(t.task_id)
+        self._doing[t.task_id] = (member, t)
+        self._held.setdefault(member, {})[t.task_id] = t
+
+    def _unhold(self, task_id: int) -> None:
+        held = self._doing.pop(task_id, None)
+        if held is None:
+            return
+        mine = self._held[held[0]]
+        del mine[task_id]
+        if not mine:
+            del self._held[held[0]]
+
+    def _held_task(self, member: str, task_id: int) -> Task | None:
         held = self._doing.get(task_id)
         if held is None:
             if task_id in self._done:
@@ -126,19 +172,23 @@ class TaskQueue:
                 (held is not None and held[0] != member):
             log.info("ignoring a late report of task %d from %s (re-queued after its lease ended)", task_id, member)
             return
-        t = self._held(member, task_id)
+        t = self._held_task(member, task_id)
         if t is None:
             return
-        del self._doing[task_id]
+        self._unhold(task_id)
         self._progress.pop(task_id, None)
         self._done.add(task_id)
         self._open_per_epoch[t.epoch] -= 1
+        self._record("complete", member, task_id)
 
     def progress(self, member: str, task_id: int, next_start: int) -> None:
         """The member pushed every batch of the task before ``next_start``."""
         held = self._doing.get(task_id)
         if held is not None and held[0] == member and held[1].start <= next_start <= held[1].stop:
-            self._progress[task_id] = max(next_start, self._progress.get(task_id, held[1].start))
+            new = max(next_start, self._progress.get(task_id, held[1].start))
+            if self._progress.get(task_id) != new:
+                self._progress[task_id] = new
+                self._record("progress", member, task_id, next_start)
 
     def requeue_batch(self, member: str, epoch: int, start: int, stop: int) -> Task:
         """A batch a shard dropped goes back to the front of the queue as its own task."""
@@ -149,16 +199,17 @@ class TaskQueue:
         self._extra += 1
         self._open_per_epoch[epoch] += 1
         self._todo.appendleft(t)
+        self._record("requeue_batch", member, epoch, start, stop)
         log.debug("batch [%d, %d) of epoch %d from %s re-queued as task %d", start, stop, epoch, member, t.task_id)
         return t
 
     def release(self, member: str) -> list[Task]:
         """Puts the member's unfinished tasks back at the front of the queue, from their progress."""
         back = []
-        for m, t in list(self._doing.values()):
-            if m != member:
-                continue
-            del self._doing[t.task_id]
+        if member in self._held:
+            self._record("release", member)
+        for t in list(self._held.get(member, {}).values()):
+            self._unhold(t.task_id)
             resume = self._progress.pop(t.task_id, t.start)
             if resume >= t.stop:                      # everything was pushed: it only missed the report
                 self._done.add(t.task_id)
@@ -172,7 +223,8 @@ class TaskQueue:
         return back
 
     def held_by(self, member: str) -> list[Task]:
-        return [t for m, t in self._doing.values() if m == member]
+        """The member's tasks, in the order it took them: a lookup, not a scan of every held task."""
+        return list(self._held.get(member, {}).values())
 
     # ------------------------------------------------------------ persistence
 
@@ -200,7 +252,8 @@ class TaskQueue:
         q = cls()
         q.spec = DatasetSpec(**d["spec"]) if d["spec"] is not None else None
         q._todo = collections.deque(Task(*t) for t in d["todo"])
-        q._doing = {t[0]: (m, Task(*t)) for m, t in d["doing"]}
+        for m, t in d["doing"]:
+            q._hold(m, Task(*t))
         q._progress = {int(k): int(v) for k, v in d["progress"]}
         q._done = {int(k) for k in d["done"]}
         q._attempts = collections.Counter({int(k): int(v) for k, v in d["attempts"]})
