@@ -7,6 +7,11 @@ into an optimizer that leaves an element with a zero gradient untouched
 gradient, or Adam, whose moments move every element) marks the whole shard
 changed at its version, which costs nothing: the next pull is a full one.
 
+An update the sparse server path applied (:mod:`shoal.ps.sparse`) hands the
+log the indices it touched, so nothing scans the shard; a dense gradient from
+top-k pushes (a backup's, or a round with a dense push in it) is scanned for
+its nonzero elements.
+
 The log is conservative: an element marked changed that did not is harmless
 (it is sent again); an element that changed is never missed. A pull since a
 version the log does not cover (before this copy started tracking, or after
@@ -41,13 +46,22 @@ class ChangeLog:
         self._base = version               # versions are stored as int32 offsets from this
         self._changed: torch.Tensor | None = None   # per element: the version (offset) it last changed at
 
-    def record(self, version: int, grad: torch.Tensor, sparse: bool) -> None:
-        """An update to ``version`` with ``grad`` was applied; ``sparse``: the gradient is zero outside a
-        few elements (the pushes were top-k)."""
-        if not (self.tracks and sparse) or version - self._base >= 2 ** 31 - 1:
+    def record(self, version: int, grad: torch.Tensor | None, sparse: bool,
+               touched: torch.Tensor | None = None) -> None:
+        """An update to ``version`` was applied. ``touched``: the indices it changed, exactly (the sparse
+        path, :mod:`shoal.ps.sparse`, applied it to those only): recorded as they are, no scan. Else
+        ``grad`` is the dense gradient it stepped with (None: not known, the whole shard counts as
+        changed) and ``sparse`` says it is zero outside a few elements (the pushes were top-k)."""
+        if version - self._base >= 2 ** 31 - 1:
             self.full_after = version
             return
-        idx = np.flatnonzero(grad.numpy() != 0)     # a bool mask: 6x faster than on floats
+        if touched is not None:
+            idx = touched.numpy()
+        elif self.tracks and sparse and grad is not None:
+            idx = np.flatnonzero(grad.numpy() != 0)     # a bool mask: 6x faster than on floats
+        else:
+            self.full_after = version
+            return
         if len(idx) > DENSE_FRACTION * self.numel:
             self.full_after = version
             return
