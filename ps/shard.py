@@ -76,6 +76,7 @@ class ShardStats:
     pushes_applied: int = 0
     pushes_dropped: int = 0
     updates: int = 0
+    sparse_updates: int = 0      # of which applied to the named elements only (ps/sparse.py)
     nonfinite: dict[str, int] = field(default_factory=dict)   # pushes holding NaN/Inf not applied, per worker
 
 
@@ -308,6 +309,8 @@ class Shard:
             self._opt.step_sparse(u.grad.indices, u.grad.values) else None
         if touched is None:
             self._opt.step(u.dense_grad())
+        else:
+            self.stats.sparse_updates += 1
         self.version = u.version
         self.changes.record(u.version, u.grad if isinstance(u.grad, torch.Tensor) else None, u.sparse, touched)
         self.stats.updates += 1
