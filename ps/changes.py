@@ -12,6 +12,10 @@ log the indices it touched, so nothing scans the shard; a dense gradient from
 top-k pushes (a backup's, or a round with a dense push in it) is scanned for
 its nonzero elements.
 
+A delta pull since a recent version is answered from the indices the updates
+after it recorded (:data:`RECENT_ENTRIES` of them at most are kept), with no
+scan either; a pull since an older one scans the per-element versions.
+
 The log is conservative: an element marked changed that did not is harmless
 (it is sent again); an element that changed is never missed. A pull since a
 version the log does not cover (before this copy started tracking, or after
@@ -19,12 +23,15 @@ it, on a server that went back) is answered in full.
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 
 from shoal.config import OptimizerSpec
 
 DENSE_FRACTION = 0.25   # a sparse update touching more than this share of the shard counts as dense
+RECENT_ENTRIES = 0.25   # indices of the latest updates kept for delta pulls, as a share of the shard
 
 
 def leaves_zeros_alone(spec: OptimizerSpec) -> bool:
@@ -45,6 +52,8 @@ class ChangeLog:
         self.full_after = version + 1
         self._base = version               # versions are stored as int32 offsets from this
         self._changed: torch.Tensor | None = None   # per element: the version (offset) it last changed at
+        self._recent: collections.deque[tuple[int, np.ndarray]] = collections.deque()  # (version, indices)
+        self._recent_entries = 0
 
     def record(self, version: int, grad: torch.Tensor | None, sparse: bool,
                touched: torch.Tensor | None = None) -> None:
@@ -68,6 +77,16 @@ class ChangeLog:
         if self._changed is None:
             self._changed = torch.zeros(self.numel, dtype=torch.int32)
         self._changed.numpy()[idx] = version - self._base
+        self._remember(version, idx)
+
+    def _remember(self, version: int, idx: np.ndarray) -> None:
+        if self._recent and self._recent[-1][0] != version - 1:
+            self._recent.clear()
+            self._recent_entries = 0
+        self._recent.append((version, idx.astype(np.int32)))
+        self._recent_entries += len(idx)
+        while self._recent_entries > RECENT_ENTRIES * self.numel:
+            self._recent_entries -= len(self._recent.popleft()[1])
 
     def changed_since(self, since: int, version: int) -> np.ndarray | None:
         """Indices (int32, increasing) of the elements that changed after ``since`` up to ``version``, or
@@ -76,4 +95,7 @@ class ChangeLog:
             return None
         if since == version or self._changed is None:
             return np.empty(0, dtype=np.int32)
+        if self._recent and self._recent[0][0] <= since + 1 and self._recent[-1][0] == version:
+            parts = [idx for v, idx in self._recent if v > since]
+            return np.unique(np.concatenate(parts)).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
         return np.flatnonzero(self._changed.numpy() > since - self._base).astype(np.int32)
