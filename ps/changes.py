@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from shoal.config import OptimizerSpec
+from shoal.ps.sparse import sorted_union
 
 DENSE_FRACTION = 0.25   # a sparse update touching more than this share of the shard counts as dense
 RECENT_ENTRIES = 0.25   # indices of the latest updates kept for delta pulls, as a share of the shard
@@ -97,5 +98,5 @@ class ChangeLog:
             return np.empty(0, dtype=np.int32)
         if self._recent and self._recent[0][0] <= since + 1 and self._recent[-1][0] == version:
             parts = [idx for v, idx in self._recent if v > since]
-            return np.unique(np.concatenate(parts)).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
+            return parts[0].copy() if len(parts) == 1 else sorted_union(parts)
         return np.flatnonzero(self._changed.numpy() > since - self._base).astype(np.int32)
