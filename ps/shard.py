@@ -389,7 +389,7 @@ class Shard:
             idx = self.changes.changed_since(since, self.version)
             if idx is None or len(idx) * (4 + itemsize) > self.numel * itemsize // 2:
                 return None
-            values = self._param.detach()[torch.from_numpy(idx).long()]
+            values = self._param.detach().index_select(0, torch.from_numpy(idx))
             return self.version, idx, bytes(encode_weights(codec, values))
 
     def worker_clocks(self) -> dict[str, int]:
