@@ -50,8 +50,8 @@ NO_BACKUP_WARN_S = 2.0         # how long a shard goes without a backup before t
 
 def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> list[bytes]:
     """One update as frames: the first carries keys, ledger entries and workers; all carry a grad chunk."""
-    raw = frames.tensor_bytes(u.grad)
-    numel = u.grad.numel()
+    raw = frames.tensor_bytes(u.dense_grad())
+    numel = raw.nbytes // 4
     per = max(1, chunk_bytes // 4)
     out, off = [], 0
     while True:
@@ -91,7 +91,7 @@ def update_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.Replicat
 
 def update_header(shard: int, primary_id: str, u: Update) -> pb.ReplicateHeader:
     """The header of an update sent whole (one message: the TCP data channel)."""
-    numel = u.grad.numel()
+    numel = u.dense_grad().numel()
     head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=0, numel=numel,
                               shard_numel=numel, keys=u.keys, workers=u.workers, hparams=dict(u.hparams))
     head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
@@ -279,7 +279,7 @@ class Replicator:
         tcp = self._data_channel(stubs)
         if tcp is not None:
             head = update_header(self.shard_id, self._member_id(), u).SerializeToString()
-            grad = frames.tensor_bytes(u.grad)
+            grad = frames.tensor_bytes(u.dense_grad())
             return tcp.call(lambda sock: tcp_client.replicate(sock, head, grad), self._timeout_s).version
         fr = update_frames(self.shard_id, self._member_id(), u, self._chunk_bytes)
         if len(fr) == 1:

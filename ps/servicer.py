@@ -22,7 +22,8 @@ from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied, 
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors, request_seconds
-from shoal.wire import DATA_SERVICE, decode_chunk, is_sparse, iter_chunks
+from shoal.ps.sparse import SparseGrad
+from shoal.wire import DATA_SERVICE, decode_chunk, decode_sparse_chunk, is_sparse, iter_chunks
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class DataServicer:
             nbytes += len(frame)
             head, payload = frames.unpack(frame, pb.PushHeader)
             push.check(head)
-            push.place(head, decode_chunk(head.codec, payload, head.numel), fresh=head.codec not in ("", "none"))
+            push.place_encoded(head, payload)
         return push.finish(nbytes).SerializeToString()
 
     def batches_of(self, head: pb.PushHeader) -> tuple[BatchKey, ...]:
@@ -228,8 +229,12 @@ class DataServicer:
 class PushAssembly:
     """One push's chunks gathered into the shard's gradient, each header checked against the first.
 
-    Both transports use it: gRPC hands it decoded chunks, the TCP channel asks
-    where a raw fp32 chunk's bytes go and receives them there.
+    Both transports use it: gRPC hands it encoded chunks, the TCP channel asks
+    where a raw fp32 chunk's bytes go and receives them there. While every chunk
+    so far is sparse (top-k) their entries are kept as they are, and a push that
+    is sparse throughout reaches the shard as a :class:`~shoal.ps.sparse.SparseGrad`
+    (applied to those elements only where exact); the first dense chunk scatters
+    them into a dense gradient.
     """
 
     def __init__(self, servicer: DataServicer, speaks_for: Callable[[str], bool] = lambda member: True):
@@ -241,6 +246,7 @@ class PushAssembly:
         self.covered = 0
         self.owned = False
         self.sparse = True     # every chunk so far came in a sparse codec (top-k)
+        self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []   # theirs, shard-indexed, while sparse
 
     def check(self, head: pb.PushHeader) -> None:
         if self.first is None:
@@ -261,6 +267,15 @@ class PushAssembly:
             raise InvalidArgument(f"push chunk [{head.offset}, {head.offset + head.numel}) does not continue "
                                   f"at {self.covered} inside shard {head.shard} of {numel} elements")
 
+    def place_encoded(self, head: pb.PushHeader, payload: memoryview) -> None:
+        """Adds a chunk as it came on the wire (checked by :meth:`check`)."""
+        if self.sparse and self.grad is None:
+            idx, values = decode_sparse_chunk(head.codec, payload, head.numel)
+            self.entries.append((idx.add_(head.offset) if head.offset else idx, values))
+            self.covered += head.numel
+            return
+        self.place(head, decode_chunk(head.codec, payload, head.numel), fresh=head.codec not in ("", "none"))
+
     def place(self, head: pb.PushHeader, chunk: torch.Tensor, fresh: bool) -> None:
         """Adds a decoded chunk; ``fresh``: nobody else holds it, so the shard may keep it."""
         if head.offset == 0 and head.numel == self.shard.numel:
@@ -278,6 +293,9 @@ class PushAssembly:
     def _gradient(self) -> torch.Tensor:
         if self.grad is None:
             self.grad, self.owned = torch.empty(self.shard.numel, dtype=torch.float32), True
+            if self.covered:        # the sparse chunks before this one: [0, covered) in full
+                self.grad[:self.covered] = SparseGrad.join(self.entries, self.covered).dense()
+            self.entries = []
         return self.grad
 
     def finish(self, nbytes: int) -> pb.PushReply:
@@ -288,7 +306,8 @@ class PushAssembly:
         if self.covered != shard.numel:
             raise InvalidArgument(f"push covers {self.covered} of shard {first.shard}'s {shard.numel} elements")
         self.servicer.host.count(inbound=nbytes)
-        grad = self.grad if self.grad is not None else torch.empty(0, dtype=torch.float32)
+        grad = self.grad if self.grad is not None else SparseGrad.join(self.entries, shard.numel) \
+            if self.entries else torch.empty(0, dtype=torch.float32)
         batches = self.servicer.batches_of(first)
         over = tuple(k for k in batches if k.epoch < self.servicer.host.completed_epochs)
         if over:        # a group that reaches into an epoch already over: not applied, the rest goes back

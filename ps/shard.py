@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shoal.ps.changes import ChangeLog
+from shoal.ps.sparse import RoundSum, SparseGrad, as_dense
 from shoal.checkpoint_store import ShardState
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
@@ -58,12 +59,16 @@ class Update:
     """One optimizer step of a shard: everything a backup needs to take the same step."""
 
     version: int                               # the version it produces
-    grad: torch.Tensor                         # the (averaged) gradient the optimizer steps with
+    grad: torch.Tensor | SparseGrad            # the (averaged) gradient the optimizer steps with
     keys: tuple[str, ...] = ()                 # idempotency keys it settles
     batches: tuple[tuple[BatchKey, str], ...] = ()   # ledger entries: batch -> the push that applied it
     workers: tuple[str, ...] = ()              # whose clocks advance
     sparse: bool = False                       # grad is zero outside a few elements (top-k pushes)
     hparams: tuple[tuple[str, float], ...] = ()  # the hyper-parameters it steps with ("0.lr", ...); () unchanged
+
+    def dense_grad(self) -> torch.Tensor:
+        """The gradient as one dense tensor (what a backup is sent); built once for a sparse one."""
+        return as_dense(self.grad)
 
 
 @dataclass
@@ -71,6 +76,7 @@ class ShardStats:
     pushes_applied: int = 0
     pushes_dropped: int = 0
     updates: int = 0
+    sparse_updates: int = 0      # of which applied to the named elements only (ps/sparse.py)
     nonfinite: dict[str, int] = field(default_factory=dict)   # pushes holding NaN/Inf not applied, per worker
 
 
@@ -91,7 +97,7 @@ class Shard:
         self._cond = threading.Condition()
         self.version = 0
         self.changes = ChangeLog(self.numel, self.version, optimizer)
-        self._round_sum: torch.Tensor | None = None
+        self._round_sum: RoundSum | None = None
         self._round_sparse = True
         self._round_workers: set[str] = set()
         # Workers present in the open round with nothing new for it: their push, computed on this
@@ -131,7 +137,7 @@ class Shard:
 
     # ------------------------------------------------------------ updates
 
-    def push(self, worker: str, version: int, grad: torch.Tensor, key: str = "",
+    def push(self, worker: str, version: int, grad: torch.Tensor | SparseGrad, key: str = "",
              batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
              sparse: bool = False, hparams: dict[str, float] | None = None,
              batches: tuple[BatchKey, ...] = ()) -> PushResult:
@@ -142,14 +148,17 @@ class Shard:
         whoever pushes it); ``batches`` names several, for a gradient accumulated over micro-batches:
         if any of them was applied before, the whole push is refused (its ``applied`` says which). ``owned``: the shard may keep and modify ``grad``. An ``ssp`` push that is too far ahead waits up to
         ``wait_s`` and then fails with a retryable ResourceExhausted. ``sparse``: the gradient is zero
-        outside a few elements (top-k), which lets delta pulls send only what the update changed.
+        outside a few elements (top-k), which lets delta pulls send only what the update changed; a
+        :class:`~shoal.ps.sparse.SparseGrad` is (and is applied to its elements only where exact).
         ``hparams``: the user's current hyper-parameters (``"0.lr"``, ...; an LR scheduler's); the
         update that applies this push steps with the newest a push of its round carried.
         """
         named = (batch, *batches) if batch is not None else tuple(batches)
-        if grad.shape != (self.numel,):
-            raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {tuple(grad.shape)}")
-        bad = count_nonfinite(grad)
+        sparse = sparse or isinstance(grad, SparseGrad)
+        shape = (grad.numel,) if isinstance(grad, SparseGrad) else tuple(grad.shape)
+        if shape != (self.numel,):
+            raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {shape}")
+        bad = count_nonfinite(grad.values if isinstance(grad, SparseGrad) else grad)
         if bad:
             return self._refuse_nonfinite(worker, bad)
         if hparams:
@@ -188,11 +197,11 @@ class Shard:
             if self._round_sum is None:
                 # A gradient applied alone (async, ssp) is only read by the optimizer: no copy.
                 alone = self.rule.round_complete({worker}, self._expected())
-                self._round_sum = grad if (owned or alone) else grad.to(torch.float32, copy=True)
+                self._round_sum = RoundSum(grad, owned or alone)
                 self._round_sparse = sparse
             else:
                 self._round_sparse = self._round_sparse and sparse
-                self._round_sum.add_(grad)
+                self._round_sum.add(grad)
             self._round_workers.add(worker)
             self._nonfinite_streak.pop(worker, None)
             if hparams:
@@ -253,7 +262,7 @@ class Shard:
             return
         n = len(self._round_workers)
         assert self._round_sum is not None
-        grad = self._round_sum.div_(n) if n > 1 else self._round_sum
+        grad = self._round_sum.average(n)
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
                         tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())))
         if self.replicator is not None:
@@ -306,9 +315,14 @@ class Shard:
         if u.hparams:
             self._opt.set_hparams(dict(u.hparams))
             self.applied_hparams = self._opt.hparams()
-        self._opt.step(u.grad)
+        touched = u.grad.indices if isinstance(u.grad, SparseGrad) and \
+            self._opt.step_sparse(u.grad.indices, u.grad.values) else None
+        if touched is None:
+            self._opt.step(u.dense_grad())
+        else:
+            self.stats.sparse_updates += 1
         self.version = u.version
-        self.changes.record(u.version, u.grad, u.sparse)
+        self.changes.record(u.version, u.grad if isinstance(u.grad, torch.Tensor) else None, u.sparse, touched)
         self.stats.updates += 1
         for k in u.keys:
             self._keys[k] = self.version
@@ -385,7 +399,7 @@ class Shard:
             idx = self.changes.changed_since(since, self.version)
             if idx is None or len(idx) * (4 + itemsize) > self.numel * itemsize // 2:
                 return None
-            values = self._param.detach()[torch.from_numpy(idx).long()]
+            values = self._param.detach().index_select(0, torch.from_numpy(idx))
             return self.version, idx, bytes(encode_weights(codec, values))
 
     def worker_clocks(self) -> dict[str, int]:

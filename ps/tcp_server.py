@@ -28,7 +28,6 @@ from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.replication import update_from_header
 from shoal.ps.servicer import DataServicer, PushAssembly
-from shoal.wire import decode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ class DataChannelServer:
         payload = bytearray(body_len)
         tc.recv_exactly(conn, memoryview(payload))
         try:
-            push.place(h, decode_chunk(h.codec, memoryview(payload), h.numel), fresh=True)
+            push.place_encoded(h, memoryview(payload))
         except ShoalError as exc:
             return exc
         return None

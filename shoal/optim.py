@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 from shoal.config import OptimizerSpec, ParamGroupSpec
@@ -128,6 +129,44 @@ class ShardOptimizer:
         self._opt.step()
         for _, _, view in self._segments:
             view.grad = None
+
+    def sparse_exact(self) -> bool:
+        """Whether a step leaves every element whose gradient is zero exactly as it was, as its current
+        hyper-parameters stand: plain SGD (no momentum, no weight decay) or nothing but buffers."""
+        if self.spec.torch_class:
+            return False
+        if self._opt is None:
+            return True
+        if not isinstance(self._opt, torch.optim.SGD) or len(self._opt.param_groups) != 1:
+            return False
+        g = self._opt.param_groups[0]
+        return (g["momentum"] == 0 and g["weight_decay"] == 0 and not g.get("maximize") and not g.get("fused")
+                and not isinstance(g["lr"], torch.Tensor))
+
+    def step_sparse(self, indices: torch.Tensor, values: torch.Tensor) -> bool:
+        """One step with a gradient that is ``values`` at ``indices`` (int64, strictly increasing) and zero
+        elsewhere, on those elements only; False (nothing done) where that is not exactly :meth:`step`
+        (:meth:`sparse_exact`). The touched elements go through the kernels :meth:`step` runs
+        (``add_``, with ``alpha=-lr`` where stepped), so they round the same, bit for bit."""
+        if not self.sparse_exact():
+            return False
+        flat = self._flat.detach()
+        if not len(indices):
+            return True
+        stepped = None
+        if self._buffers:
+            bounds = np.array([x for ab in self._buffers for x in ab], dtype=np.int64)
+            in_buffer = torch.from_numpy(np.searchsorted(bounds, indices.numpy(), side="right") % 2 == 1)
+            sel = flat.index_select(0, indices[in_buffer])
+            flat.index_copy_(0, indices[in_buffer], sel.add_(values[in_buffer]))
+            stepped = ~in_buffer
+        if self._opt is None:
+            return True
+        idx, vals = (indices, values) if stepped is None else (indices[stepped], values[stepped])
+        sel = flat.index_select(0, idx)
+        sel.add_(vals, alpha=-self._opt.param_groups[0]["lr"])
+        flat.index_copy_(0, idx, sel)
+        return True
 
     def check_hparams(self, values: Mapping[str, float]) -> None:
         """InvalidArgument unless :meth:`set_hparams` would take every one of ``values``."""

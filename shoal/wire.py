@@ -43,6 +43,17 @@ def decode_chunk(tag: str, payload: memoryview, numel: int) -> torch.Tensor:
         raise InvalidArgument(str(exc)) from exc
 
 
+def decode_sparse_chunk(tag: str, payload: memoryview, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pushed chunk in a sparse codec (``is_sparse(tag)``) as ``(indices, values)``: int64 strictly
+    increasing inside ``[0, numel)``, fp32; nothing is scattered into a dense buffer."""
+    from shoal import codecs
+
+    try:
+        return codecs.decode_tagged_entries(tag, payload, numel)
+    except codecs.CodecError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
 @functools.lru_cache(maxsize=64)
 def is_sparse(tag: str) -> bool:
     """Whether chunks pushed in gradient codec ``tag`` decode to zeros outside a few elements (top-k)."""

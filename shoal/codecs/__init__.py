@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from . import dense, sign, sparse  # noqa: F401  (registers the codecs)
 from .base import CHUNK, Codec, CodecError, get_codec, known_codecs, register_codec
-from .compressor import Compressor, compressor_from_tag, decode_tagged, parse_tag
+from .compressor import Compressor, compressor_from_tag, decode_tagged, decode_tagged_entries, parse_tag
 from .feedback import ErrorFeedback
 from .lossless import lz4_pack, lz4_unpack
 
 __all__ = [
     "CHUNK", "Codec", "CodecError", "Compressor", "ErrorFeedback", "compressor_from_tag", "decode_tagged",
+    "decode_tagged_entries",
     "get_codec", "known_codecs", "lz4_pack", "lz4_unpack", "parse_tag", "register_codec",
 ]

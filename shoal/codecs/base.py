@@ -51,6 +51,11 @@ class Codec(abc.ABC):
     def encoded_size(self, numel: int) -> int | None:
         """The exact payload size for ``numel`` elements, or None when it varies."""
 
+    def decode_entries(self, buf: Buffer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sparse codec's payload as ``(indices, values)``: int64 strictly increasing, fp32 (every
+        other element is zero); a sparse codec must override it."""
+        raise CodecError(f"codec {self.name} is not sparse: its payloads decode to every element")
+
     def encoded_size_bound(self, numel: int) -> int:
         """The largest payload :meth:`decode` accepts for ``numel`` elements."""
         size = self.encoded_size(numel)

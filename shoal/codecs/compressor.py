@@ -49,6 +49,15 @@ class Compressor:
             buf = lz4_unpack(buf, max_size=self.codec.encoded_size_bound(numel))
         return self.codec.decode(buf, numel)
 
+    def decompress_entries(self, buf: Buffer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sparse codec's ``(indices, values)`` (see :meth:`decompress`), never scattered into zeros."""
+        numel = check_numel(numel)
+        if not self.codec.sparse:
+            raise CodecError(f"codec {self.codec.name} is not sparse: its payloads decode to every element")
+        if self.lz4:
+            buf = lz4_unpack(buf, max_size=self.codec.encoded_size_bound(numel))
+        return self.codec.decode_entries(buf, numel)
+
     def reset(self) -> None:
         """Forgets all error-feedback residuals."""
         if self.feedback is not None:
@@ -84,3 +93,11 @@ def decode_tagged(tag: str, buf: Buffer, numel: int) -> torch.Tensor:
     if not isinstance(tag, str):
         raise CodecError(f"codec tag must be a string, got {type(tag).__name__}")
     return _decoder(tag).decompress(buf, numel)
+
+
+def decode_tagged_entries(tag: str, buf: Buffer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse payload's ``(indices, values)`` (int64 strictly increasing, fp32); :class:`CodecError`
+    for a bad tag or payload, or a codec that is not sparse."""
+    if not isinstance(tag, str):
+        raise CodecError(f"codec tag must be a string, got {type(tag).__name__}")
+    return _decoder(tag).decompress_entries(buf, numel)

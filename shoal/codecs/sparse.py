@@ -175,6 +175,13 @@ class TopKCodec(Codec):
         return to_bytes(counts, local16, values), idx, values
 
     def decode(self, buf: Buffer, numel: int) -> torch.Tensor:
+        idx, values = self.decode_entries(buf, numel)
+        out = torch.zeros(numel, dtype=torch.float32)
+        return out.index_copy_(0, idx, values) if len(idx) else out
+
+    def decode_entries(self, buf: Buffer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)``: the entries a payload carries, indices int64 and strictly increasing,
+        values fp32; what :meth:`decode` scatters into zeros (a ps applies them without it)."""
         view, numel = as_bytes(buf), check_numel(numel)
         blocks = num_blocks(numel)
         if view.nbytes < 4 * blocks or (view.nbytes - 4 * blocks) % 6:
@@ -183,12 +190,11 @@ class TopKCodec(Codec):
         k = (view.nbytes - 4 * blocks) // 6
         if k > numel:
             raise CodecError(f"topk payload holds {k} entries, more than the {numel} elements")
-        out = torch.zeros(numel, dtype=torch.float32)
         counts = np.frombuffer(view, dtype="<u4", count=blocks).astype(np.int64)
         if int(counts.sum()) != k:
             raise CodecError(f"topk block counts add up to {int(counts.sum())}, the payload holds {k} entries")
         if k == 0:
-            return out
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
         local = np.frombuffer(view, dtype="<u2", count=k, offset=4 * blocks).astype(np.int64)
         idx = np.repeat(np.arange(blocks, dtype=np.int64) << BLOCK_BITS, counts) + local
         if idx[-1] >= numel:
@@ -196,7 +202,7 @@ class TopKCodec(Codec):
         if k > 1 and not (np.diff(idx) > 0).all():
             raise CodecError("topk indices are not strictly increasing")
         values = read_tensor(view, torch.float32, k, offset=4 * blocks + 2 * k)
-        return out.index_copy_(0, torch.from_numpy(idx), values)
+        return torch.from_numpy(idx), values
 
     def encoded_size(self, numel: int) -> int:
         return 4 * num_blocks(numel) + 6 * self.k(numel)

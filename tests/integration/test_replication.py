@@ -61,6 +61,33 @@ def test_backups_are_byte_identical_to_their_primaries(cluster_factory, mode):
             t.close()
 
 
+@pytest.mark.parametrize("mode,optimizer", [("sync", dict(optimizer="sgd", momentum=0.9)),
+                                            ("async", dict(optimizer="adam"))], ids=["sync-sgd", "async-adam"])
+def test_top_k_updates_applied_sparse_on_the_primary_leave_the_backup_byte_identical(cluster_factory, mode,
+                                                                                      optimizer):
+    # with top-k the workers keep the momentum (or Adam's moments) and the shards run plain SGD: the
+    # primaries apply each push to the elements it names, the backups take the dense step
+    c = cluster_factory(2, mode=mode, lease_seconds=2.0)
+    x, y = data(512)
+    models = [mlp(0), mlp(1)]
+    trainers = [Trainer(m, chief=c.chief_address, lr=0.02, compression="topk:0.1", **optimizer) for m in models]
+    try:
+        wait_until(lambda: in_sync(c) and len(copies(c)) == 2, timeout_s=20, what="backups to be filled")
+        train_all(trainers, models, x, y, epochs=3)
+        got = copies(c)
+        for k in (0, 1):
+            assert got[k]["primary"] == got[k]["backup"], f"shard {k} copies differ"
+            assert got[k]["primary"][0] > 10
+        primaries = [s for ps in c.servers for k, s in ps.host.shards.items() if ps.host.roles[k] == "primary"]
+        assert len(primaries) == 2
+        for s in primaries:
+            assert s.optimizer_spec.name == "sgd" and s.stats.sparse_updates == s.stats.updates == s.version
+        assert_exactly_once(c, 512, 16, 3)
+    finally:
+        for t in trainers:
+            t.close()
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killing_a_primary_promotes_its_backup_and_loses_nothing(cluster_factory, mode):
     c = cluster_factory(2, mode=mode, lease_seconds=1.0)

@@ -64,3 +64,28 @@ def test_a_shards_delta_rebuilds_exactly_the_weights_a_full_pull_gives():
     assert shard.delta("none", 0) is None                   # version 0 came before this copy's log
     version, changed, _ = shard.delta("bf16", held_at)
     assert version == held_at and len(changed) == 0
+
+
+def test_a_delta_since_a_recent_version_is_the_union_of_what_the_updates_after_it_touched(monkeypatch):
+    from shoal.ps import changes
+
+    touched = {v: np.sort(np.random.default_rng(v).choice(1000, 30, replace=False)) for v in range(1, 9)}
+
+    def log_of_updates() -> ChangeLog:
+        log = ChangeLog(1000, version=0, optimizer=SGD)
+        for v in range(1, 9):
+            log.record(v, None, True, torch.from_numpy(touched[v]))
+        return log
+    with monkeypatch.context() as m:
+        m.setattr(changes, "RECENT_ENTRIES", 0.0)            # nothing kept: every delta scans
+        scanning = log_of_updates()
+        scanned = {since: scanning.changed_since(since, 8) for since in range(1, 9)}
+
+    def no_scan(*a, **kw):
+        raise AssertionError("a delta since a recent version scanned the shard")
+    recent = log_of_updates()
+    monkeypatch.setattr(changes.np, "flatnonzero", no_scan)
+    for since in range(1, 9):
+        got = recent.changed_since(since, 8)
+        want = np.unique(np.concatenate([touched[v] for v in range(since + 1, 9)] or [np.empty(0, int)]))
+        assert got.dtype == np.int32 and got.tolist() == want.tolist() == scanned[since].tolist()
