@@ -23,7 +23,8 @@ from shoal.ps.consistency import rule_for
 from shoal import auth
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import ps_guard
-from shoal.ps.shard import Shard, count_nonfinite
+from shoal.ps.shard import Shard
+from shoal.ps.update import count_nonfinite
 from shoal.rpc import grpc_errors, request_seconds
 
 log = logging.getLogger(__name__)

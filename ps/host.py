@@ -20,7 +20,8 @@ from shoal.errors import NOT_PRIMARY, FailedPrecondition, InvalidArgument, NotFo
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import rule_for
 from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, replica_from_bytes
-from shoal.ps.shard import Shard, Update
+from shoal.ps.shard import Shard
+from shoal.ps.update import Update
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from shoal.errors import Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
-from shoal.ps.shard import Shard, Update
+from shoal.ps.shard import Shard
+from shoal.ps.update import Update
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs
 

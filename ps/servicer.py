@@ -14,7 +14,8 @@ import torch
 
 from shoal.ps.host import ShardHost
 from shoal.ps.replication import install_from_frames, update_from_frames
-from shoal.ps.shard import Shard, count_nonfinite
+from shoal.ps.shard import Shard
+from shoal.ps.update import count_nonfinite
 from shoal import auth, frames, tokens
 from shoal.ps.ledger import BatchKey
 from shoal.config import OptimizerSpec

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from shoal.ps.changes import ChangeLog
-from shoal.ps.sparse import RoundSum, SparseGrad, as_dense
+from shoal.ps.sparse import RoundSum, SparseGrad
+from shoal.ps.update import PushResult, Update, count_nonfinite
 from shoal.checkpoint_store import ShardState
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
@@ -34,41 +35,6 @@ log = logging.getLogger(__name__)
 KEY_MEMORY = 1 << 16  # idempotency keys remembered per shard
 # --nonfinite refuse: after this many pushes in a row holding NaN/Inf, a worker's next one fails
 NONFINITE_STREAK = 3
-
-
-def count_nonfinite(t: torch.Tensor) -> int:
-    """How many elements of ``t`` are NaN or Inf. One reduction when there are none: a sum is finite
-    only if every term is (NaN and Inf propagate); only a non-finite sum, an overflow of finite terms
-    included, pays for the exact count."""
-    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
-        return 0
-    return int(t.numel() - torch.isfinite(t).sum())
-
-
-@dataclass(frozen=True)
-class PushResult:
-    accepted: bool
-    version: int
-    reason: str = ""
-    duplicate: bool = False
-    applied: tuple[BatchKey, ...] = ()    # the named batches that were applied before (a refused duplicate)
-
-
-@dataclass(frozen=True)
-class Update:
-    """One optimizer step of a shard: everything a backup needs to take the same step."""
-
-    version: int                               # the version it produces
-    grad: torch.Tensor | SparseGrad            # the (averaged) gradient the optimizer steps with
-    keys: tuple[str, ...] = ()                 # idempotency keys it settles
-    batches: tuple[tuple[BatchKey, str], ...] = ()   # ledger entries: batch -> the push that applied it
-    workers: tuple[str, ...] = ()              # whose clocks advance
-    sparse: bool = False                       # grad is zero outside a few elements (top-k pushes)
-    hparams: tuple[tuple[str, float], ...] = ()  # the hyper-parameters it steps with ("0.lr", ...); () unchanged
-
-    def dense_grad(self) -> torch.Tensor:
-        """The gradient as one dense tensor (what a backup is sent); built once for a sparse one."""
-        return as_dense(self.grad)
 
 
 @dataclass

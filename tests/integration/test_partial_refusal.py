@@ -8,7 +8,7 @@ import threading
 
 import torch.nn.functional as F
 
-from shoal.ps.shard import PushResult
+from shoal.ps.update import PushResult
 from shoal.worker import Trainer
 
 from test_cluster import assert_exactly_once, data, mlp

@@ -8,7 +8,8 @@ from shoal import convert
 from shoal.config import JobConfig, OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.ps.consistency import AsyncRule, SyncRule
-from shoal.ps.shard import NONFINITE_STREAK, Shard, Update, count_nonfinite
+from shoal.ps.shard import NONFINITE_STREAK, Shard
+from shoal.ps.update import Update, count_nonfinite
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})
 
