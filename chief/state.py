@@ -22,7 +22,11 @@ from shoal.view import Route, View
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = 1   # of ChiefState.to_dict; bump on incompatible changes
+STATE_FORMAT = 2   # of ChiefState.to_dict; bump on incompatible changes
+# 2: the journal appends changes after the snapshot (chief/journal.py). The snapshot itself is the
+# same, so format 1 still loads; a chief that reads only 1 refuses a journal of 2 instead of reading
+# its snapshot alone and losing the changes.
+READABLE_FORMATS = (1, 2)
 
 
 class ChiefState:
@@ -336,8 +340,9 @@ class ChiefState:
         from now (it could not heartbeat while the chief was down) and the view
         epoch moves past every epoch a client may have seen, so all refresh.
         """
-        if d.get("format") != STATE_FORMAT:
-            raise InvalidArgument(f"chief state has format {d.get('format')!r}, this chief reads {STATE_FORMAT}")
+        if d.get("format") not in READABLE_FORMATS:
+            raise InvalidArgument(f"chief state has format {d.get('format')!r}, this chief reads "
+                                  f"{' and '.join(map(str, READABLE_FORMATS))}")
         s = cls(JobConfig(**d["job"]), clock, secret=bytes.fromhex(d["secret"]),
                 straggler_factor=float(d["straggler_factor"]))
         s.epoch = int(d["epoch"])

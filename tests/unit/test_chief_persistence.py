@@ -4,6 +4,8 @@ import sqlite3
 
 import pytest
 
+from shoal.errors import InvalidArgument
+
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.membership import Counters, MemberState, Membership, Role
 from shoal.chief.state import ChiefState
@@ -149,6 +151,19 @@ def test_chief_state_round_trip(clock):
     assert back.view() == s.view()
     assert back.secret == s.secret and back.layout == s.layout and back.totals() == s.totals()
     assert back.metric_sources == {"loss": w0.member_id}          # who reported it survives a restart
+
+
+def test_a_journal_of_the_snapshot_only_format_still_loads_and_an_unknown_one_is_refused(clock):
+    """Format 2 journals append changes after the snapshot; a chief of format 1 would read the
+    snapshot alone, so the format says so. A format-1 journal (snapshot only) still loads."""
+    from shoal.chief.state import STATE_FORMAT
+    s, _ = make_state(clock)
+    d = through_json(s.to_dict())
+    assert d["format"] == STATE_FORMAT == 2
+    back = ChiefState.from_dict({**d, "format": 1}, clock)
+    assert back.view() == s.view()
+    with pytest.raises(InvalidArgument, match="chief state has format 3, this chief reads 1 and 2"):
+        ChiefState.from_dict({**d, "format": 3}, clock)
 
 
 def test_recovery_bumps_the_epoch_renews_leases_and_keeps_identities(clock):
