@@ -95,7 +95,7 @@ class TcpDataChannel:
             sock, stale, now = None, [], self.credential()
             while self._idle and sock is None:
                 s = self._idle.pop()
-                if self._opened_as.get(s) == now:
+                if self._opened_as.get(s, now) == now:      # one handed in from outside: as it is
                     sock = s
                 else:
                     stale.append(s)
