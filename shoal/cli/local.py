@@ -200,6 +200,8 @@ class LocalCluster:
     def start(self) -> None:
         job = self.cfg.job
         port_file = self.run_dir / "chief.port"
+        for stale in (port_file, self.run_dir / "chief.address"):   # a run dir used before: not this chief's
+            stale.unlink(missing_ok=True)
         chief = self._spawn("chief", ["chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
                                       "--mode", job.mode, "--num-shards", str(self.cfg.num_ps),
                                       "--backup-workers", str(job.backup_workers),
