@@ -18,6 +18,10 @@ the first mutant runs).
     python scripts/mutate.py --list                 # modules, their tests, mutant counts
     python scripts/mutate.py --timeout-factor 4 --report /tmp/mutate.md
 
+Each test run is a fork of one interpreter that imported torch, grpc and numpy once
+(``scripts/pytest_forkserver.py``; it never imports ``shoal``, so every fork loads the mutated
+module from disk): 3-4x faster per mutant on 2 cores. ``--no-fork-server`` starts a new one each time.
+
 Each module's session (``<workdir>/<module>.sqlite``) is kept; ``--resume`` runs only the
 mutants it has not run yet. The summary (killed / survived / timeout per module, then every
 survivor with its place and operator) goes to the terminal and to ``--report``.
@@ -140,9 +144,34 @@ def check_imports_from(tree: Path, module: str) -> None:
                          f"not the scratch copy {want}; mutants would not be tested")
 
 
-def test_command(tests: list[str], per_test_timeout: float) -> str:
-    return " ".join([shlex.quote(sys.executable), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                     f"--timeout={int(per_test_timeout)}", *map(shlex.quote, tests)])
+def test_command(tests: list[str], per_test_timeout: float, fork_socket: Path | None = None) -> str:
+    """``python -m pytest ...``, or the same run as a fork of the fork server (``fork_socket``)."""
+    runner = [sys.executable, "-m", "pytest"] if fork_socket is None else \
+        [sys.executable, str(ROOT / "scripts" / "pytest_forkserver.py"), "--client", str(fork_socket), "--"]
+    return " ".join(map(shlex.quote, [*runner, "-x", "-q", "-p", "no:cacheprovider",
+                                      f"--timeout={int(per_test_timeout)}", *tests]))
+
+
+class ForkServer:
+    """scripts/pytest_forkserver.py for one run: torch and the rest imported once, each test run a fork."""
+
+    def __init__(self, tree: Path, workdir: Path):
+        self.socket = workdir / "forkserver.sock"
+        self.log = open(workdir / "forkserver.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "pytest_forkserver.py"), "--serve",
+                                      str(self.socket)], cwd=tree, env=env_for(tree), stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        ready = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+        if ready != "ready":
+            self.close()
+            raise SystemExit(f"mutate: the fork server did not start (see {self.log.name}); "
+                             f"--no-fork-server runs each test command in a new interpreter")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+        self.log.close()
 
 
 # The operators kept: for arithmetic, the inverse (+ for -, * for /); for comparisons, the boundary
@@ -214,14 +243,15 @@ def run_module(module: str, tree: Path, workdir: Path, args: argparse.Namespace)
     db, cfg = session_files(workdir, module)
     check_imports_from(tree, module)
     t0 = time.monotonic()
-    base = subprocess.run(shlex.split(test_command(tests, 300)), cwd=tree, env=env_for(tree),
+    sock = args.fork_server.socket if args.fork_server else None
+    base = subprocess.run(shlex.split(test_command(tests, 300, sock)), cwd=tree, env=env_for(tree),
                           capture_output=True, text=True)
     baseline = time.monotonic() - t0
     if base.returncode != 0:
         t = Tally(module, error=f"tests fail without any mutant:\n{base.stdout[-1500:]}")
         return t, []
     timeout_s = max(args.min_timeout, args.timeout_factor * baseline)
-    write_config(cfg, module, test_command(tests, timeout_s), timeout_s)
+    write_config(cfg, module, test_command(tests, timeout_s, sock), timeout_s)
     if not (args.resume and db.exists()):
         error = init_session(cfg, db, tree)
         if error:
@@ -328,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="run only the mutants a kept session has not run")
     p.add_argument("--retry-survivors", action="store_true",
                    help="with --resume, also run the survivors again (after adding tests that should kill them)")
+    p.add_argument("--no-fork-server", dest="use_fork_server", action="store_false",
+                   help="start a new interpreter per test run instead of forking one that has torch imported "
+                        "(scripts/pytest_forkserver.py; 3-4x faster here)")
     p.add_argument("--report", type=Path, help="also write the summary (markdown) here")
     p.add_argument("--list", action="store_true", help="show the modules, their tests and mutant counts; run nothing")
     p.add_argument("--summary", action="store_true",
@@ -358,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _interrupt)
     tallies, survivors = [], []
+    args.fork_server = ForkServer(tree, args.workdir) if args.use_fork_server else None
     try:
         for m in modules:
             t, s = run_module(m, tree, args.workdir, args)
@@ -367,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({t.score})", flush=True)
     except KeyboardInterrupt:
         return 130
+    finally:
+        if args.fork_server:
+            args.fork_server.close()
     text = render(tallies, survivors, tree)
     print("\n" + text)
     if args.report:
