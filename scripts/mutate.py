@@ -62,7 +62,7 @@ MODULES: dict[str, list[str]] = {
     "chief/tasks.py": [U + "test_tasks.py", U + "test_task_queue_edges.py", U + "test_chief_persistence.py",
                        U + "test_task_feed.py",
                        U + "test_membership.py", I + "test_task_journal.py"],
-    "chief/membership.py": [U + "test_membership.py", U + "test_chief_persistence.py"],
+    "chief/membership.py": [U + "test_membership_edges.py", U + "test_membership.py", U + "test_chief_persistence.py"],
     "shoal/checkpoint_store.py": [U + "test_checkpoint.py", U + "test_checksum_chunks.py",
                                   U + "test_checkpoint_cut.py"],
     "ps/shard.py": [U + "test_shard_rounds.py", U + "test_replication_order.py", U + "test_ledger_counts.py",

@@ -1,0 +1,136 @@
+"""Edges of the chief's leases and sightings (chief/membership.py) that mutation testing found untested:
+exact boundaries with a fake clock, ids, repeated watches, journal rows and the pause bridge."""
+import logging
+
+import pytest
+
+from shoal.chief.membership import MemberState, Membership, Role
+from shoal.errors import InvalidArgument
+
+LEASE = 3.0                     # a third of it is exactly 1.0: boundaries compare exactly
+
+
+@pytest.mark.parametrize("lease", [0.0, -0.5, -1.0])
+def test_a_lease_that_is_not_positive_is_refused(clock, lease):
+    with pytest.raises(InvalidArgument, match="lease must be > 0"):
+        Membership(lease_seconds=lease, clock=clock)
+
+
+def test_ids_count_from_zero_per_role(clock):
+    m = Membership(LEASE, clock)
+    assert [m.join(Role.PS).member_id, m.join(Role.WORKER).member_id, m.join(Role.PS).member_id] == \
+        ["ps-0", "worker-0", "ps-1"]
+
+
+def test_an_unanswered_watch_cuts_the_lease_to_exactly_a_third(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    m.watch_opened(a.member_id)
+    assert not m.watch_closed(a.member_id, answered=False)
+    assert a.lease_until == clock() + LEASE / 3
+    clock.advance(LEASE / 3 - 0.01)
+    assert m.expire() == []
+    clock.advance(0.02)
+    assert m.expire() == [a]
+
+
+def test_a_data_connection_drop_cuts_the_lease_to_exactly_a_third(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    m.watch_opened(a.member_id)                   # watching: the drop alone does not end it
+    assert not m.connection_lost(a.member_id)
+    assert a.lease_until == clock() + LEASE / 3
+
+
+def test_a_second_sighting_exactly_a_third_of_a_lease_later_still_ends_it_and_later_does_not(clock):
+    m = Membership(LEASE, clock)
+    a, b = m.join(Role.WORKER), m.join(Role.WORKER)
+    for w in (a, b):
+        m.watch_opened(w.member_id)
+        m.watch_closed(w.member_id, answered=False)
+    clock.advance(LEASE / 3)                      # on the boundary: recent
+    assert m.connection_lost(a.member_id)
+    clock.advance(0.01)                           # just past it (and short of half a lease): not recent
+    assert not m.connection_lost(b.member_id)
+
+
+def test_a_member_with_two_watches_open_still_watches_after_one_closes(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    m.watch_opened(a.member_id)
+    m.watch_opened(a.member_id)                   # a new watch opened before the old one ended
+    m.watch_closed(a.member_id, answered=True)
+    assert m.watching(a.member_id)
+    m.watch_closed(a.member_id, answered=True)
+    assert not m.watching(a.member_id)
+
+
+def test_joining_again_under_its_id_clears_the_sightings_against_a_member(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    m.watch_opened(a.member_id)
+    m.watch_closed(a.member_id, answered=False)   # one sighting
+    assert m.join(Role.WORKER, member_id=a.member_id) is a   # it is alive: it just joined again
+    assert not m.connection_lost(a.member_id)     # the old sighting does not pair with a new one
+    assert a.live
+
+
+def test_a_join_asking_for_the_id_of_a_member_that_left_gets_a_new_id_and_says_why(clock, caplog):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    m.leave(a.member_id)
+    with caplog.at_level(logging.INFO, logger="shoal.chief.membership"):
+        b = m.join(Role.WORKER, member_id=a.member_id)
+    assert b.member_id != a.member_id and a.state is MemberState.LEFT
+    assert f"member {a.member_id} left for good" in caplog.text
+    caplog.clear()
+    c = m.join(Role.WORKER)                       # an expired member's id is given back, with nothing of the kind
+    clock.advance(LEASE + 1)
+    assert c in m.expire()
+    with caplog.at_level(logging.INFO, logger="shoal.chief.membership"):
+        m.join(Role.WORKER, member_id=c.member_id)
+    assert "left for good" not in caplog.text
+
+
+def test_a_journal_row_keeps_when_a_member_joined_and_how_much_lease_it_has(clock):
+    m = Membership(LEASE, clock)
+    m.join(Role.WORKER)
+    joined_at = clock()
+    clock.advance(1.25)
+    m.join(Role.PS)
+    (row_w, row_p) = m.take_changed()
+    clock.advance(0.5)
+    entry = Membership.entry_from_row(row_w, clock())
+    assert entry["joined_ago"] == pytest.approx(1.75) and entry["lease_left"] == pytest.approx(LEASE - 1.75)
+    again = Membership.from_dict({**m.meta(), "members": [entry, Membership.entry_from_row(row_p, clock())]}, clock)
+    assert again.get("worker-0").joined_at == pytest.approx(joined_at)
+    assert again.get("ps-0").lease_until == pytest.approx(joined_at + 1.25 + LEASE)
+
+
+def test_the_pause_bridge_says_how_many_leases_it_extended(clock, caplog):
+    m = Membership(LEASE, clock)
+    m.bridge_pauses_over(0.6)
+    members = [m.join(Role.WORKER) for _ in range(3)]
+    m.leave(members[0].member_id)
+    m.expire()
+    clock.advance(10.0)
+    with caplog.at_level(logging.WARNING, logger="shoal.chief.membership"):
+        assert m.expire() == []
+    assert "extended 2 lease(s)" in caplog.text
+
+
+def test_sightings_age_only_while_the_chief_runs(clock):
+    """A watch broke just before the chief stood still: a data connection dropping just after it wakes is
+    the same death seen twice (a third of a lease apart in the chief's running time), and ends it."""
+    m = Membership(LEASE, clock)
+    m.bridge_pauses_over(0.6)
+    a = m.join(Role.WORKER)
+    m.expire()
+    m.watch_opened(a.member_id)
+    m.watch_closed(a.member_id, answered=False)
+    clock.advance(0.2)                            # no heartbeat: the process is dead
+    m.expire()
+    clock.advance(5.0)                            # the chief stands still 5 s
+    assert m.expire() == []                       # bridged: its lease (cut to a third) is extended by the gap
+    clock.advance(0.1)
+    assert m.connection_lost(a.member_id)         # 0.3 s of the chief's running time after the watch broke
