@@ -134,3 +134,76 @@ def test_sightings_age_only_while_the_chief_runs(clock):
     assert m.expire() == []                       # bridged: its lease (cut to a third) is extended by the gap
     clock.advance(0.1)
     assert m.connection_lost(a.member_id)         # 0.3 s of the chief's running time after the watch broke
+
+
+def test_joining_again_while_alive_renews_the_lease_in_full(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    clock.advance(2.0)
+    assert m.join(Role.WORKER, member_id=a.member_id) is a
+    assert a.lease_until == clock() + LEASE
+
+
+def test_leases_are_extended_by_exactly_the_chiefs_own_gap(clock, caplog):
+    m = Membership(LEASE, clock)
+    m.bridge_pauses_over(0.6)
+    a = m.join(Role.WORKER)                       # its lease ends 3 s from now
+    clock.advance(0.5)
+    m.expire()
+    clock.advance(10.0)                           # the chief stood still 10 s
+    with caplog.at_level(logging.WARNING, logger="shoal.chief.membership"):
+        m.expire()
+    assert a.lease_until == pytest.approx(clock() - 10.5 + LEASE + 10.0)   # 2.5 s left, as before the pause
+    assert "no progress for 10.0s" in caplog.text
+
+
+@pytest.mark.parametrize("gap", [0.0, -1.0])
+def test_a_pause_threshold_that_is_not_positive_is_refused(clock, gap):
+    with pytest.raises(InvalidArgument, match="must be > 0"):
+        Membership(LEASE, clock).bridge_pauses_over(gap)
+
+
+def test_a_cut_that_does_not_shorten_the_lease_changes_nothing_to_journal(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    m.take_changed()
+    assert m.cut_lease(a.member_id, LEASE)        # the same end as now: nothing to write
+    assert m.cut_lease(a.member_id, LEASE + 1)
+    assert m.take_changed() == []
+    assert m.cut_lease(a.member_id, 1.0)
+    assert [r["member_id"] for r in m.take_changed()] == [a.member_id]
+
+
+def test_set_busy_says_whether_the_state_changed(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    assert m.set_busy(a.member_id, True) and a.state is MemberState.ALIVE
+    assert not m.set_busy(a.member_id, True)
+    assert m.set_busy(a.member_id, False) and a.state is MemberState.IDLE
+    assert not m.set_busy(a.member_id, False)
+    m.expire_now(a.member_id, "test")
+    assert not m.set_busy(a.member_id, True) and a.state is MemberState.EXPIRED
+
+
+def test_sightings_of_members_that_are_gone_or_servers_change_nothing(clock):
+    m = Membership(LEASE, clock)
+    a, ps = m.join(Role.WORKER), m.join(Role.PS)
+    m.watch_opened(a.member_id)
+    m.watch_closed(a.member_id, answered=False)   # a sighting, then the member is ended another way
+    assert m.expire_now(a.member_id, "unreachable") is a
+    assert not m.connection_lost(a.member_id)     # no second ending of a member already gone
+    lease = ps.lease_until
+    assert not m.connection_lost(ps.member_id)    # servers are not judged by a worker's connections
+    assert ps.lease_until == lease
+    assert m.expire_now(a.member_id, "again") is None
+    assert m.expire_now("worker-77", "unknown") is None
+
+
+def test_a_dropped_connection_with_no_watch_ends_a_worker_after_exactly_a_sixth_of_its_lease(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    assert not m.connection_lost(a.member_id)
+    clock.advance(LEASE / 6 - 0.01)
+    assert m.expire() == []
+    clock.advance(0.01)
+    assert m.expire() == [a]
