@@ -207,3 +207,34 @@ def test_a_dropped_connection_with_no_watch_ends_a_worker_after_exactly_a_sixth_
     assert m.expire() == []
     clock.advance(0.01)
     assert m.expire() == [a]
+
+
+def test_a_lease_that_ends_exactly_now_has_not_lapsed_yet(clock):
+    m = Membership(LEASE, clock)
+    a = m.join(Role.WORKER)
+    clock.advance(LEASE)
+    assert m.expire() == []
+    clock.advance(0.001)
+    assert m.expire() == [a]
+
+
+def test_a_gap_of_exactly_the_threshold_is_not_a_pause(clock):
+    m = Membership(LEASE, clock)
+    m.bridge_pauses_over(0.5)
+    m.join(Role.WORKER)
+    m.expire()
+    clock.advance(0.5)
+    m.expire()
+    assert m.pauses_bridged == 0
+    clock.advance(0.501)
+    m.expire()
+    assert m.pauses_bridged == 1
+
+
+def test_members_by_role(clock, caplog):
+    m = Membership(LEASE, clock)
+    with caplog.at_level(logging.INFO, logger="shoal.chief.membership"):
+        w, p = m.join(Role.WORKER), m.join(Role.PS, address="h:1")
+    assert list(m.all(Role.PS)) == [p] and list(m.all(Role.WORKER)) == [w] and list(m.all()) == [w, p]
+    assert m.alive(Role.PS) == [p]
+    assert "member ps-0 joined (ps at h:1)" in caplog.text and "member worker-0 joined (worker)" in caplog.text
