@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -176,16 +177,21 @@ def run_case(n: int, args) -> dict:
             f.send("measure")
         changes: list[tuple[str, float, int]] = []       # (what, monotonic time of the trigger, epoch it made)
         extra = ""
+        trigger_errors: list[str] = []
         gap = args.window / (args.changes + 1)
         for k in range(args.changes):
             time.sleep(max(0.0, t0 + gap * (k + 1) - time.monotonic()))
             t = time.monotonic()
-            if not extra:
-                reply = stub.Join(pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout), timeout=30)
-                extra, epoch, what = reply.member_id, reply.view.epoch, "join"
-            else:
-                stub.Leave(pb.LeaveRequest(member_id=extra), timeout=30)
-                epoch, extra, what = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch, "", "leave"
+            try:
+                if not extra:
+                    reply = stub.Join(pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout), timeout=30)
+                    extra, epoch, what = reply.member_id, reply.view.epoch, "join"
+                else:
+                    stub.Leave(pb.LeaveRequest(member_id=extra), timeout=30)
+                    epoch, extra, what = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch, "", "leave"
+            except grpc.RpcError as exc:        # e.g. a chief whose job stopped: said in the row
+                trigger_errors.append(f"{exc.code().name}: {exc.details()}"[:300])
+                continue
             changes.append((what, t, epoch))
         time.sleep(max(0.0, t0 + args.window - time.monotonic()))
         wall = time.monotonic() - t0
@@ -210,6 +216,9 @@ def run_case(n: int, args) -> dict:
                 pass
             stop(f.proc)
         stop(chief)
+        log_tail = (tmp / "chief.log").read_text()[-500:]
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     seen = [s for r in results for s in r["seen"]]
     props = []
@@ -238,7 +247,8 @@ def run_case(n: int, args) -> dict:
         "chief_rss_before_mb": round(rss_before / 2**20, 1), "chief_rss_after_mb": round(rss_after / 2**20, 1),
         "chief_rss_kb_per_worker": round((rss_after - rss_before) / n / 1024, 1),
         "chief_threads_before": threads_before, "chief_threads_after": threads_after,
-        "errors": errors,
+        "errors": errors, "trigger_errors": trigger_errors,
+        "chief_log_tail": log_tail if trigger_errors else "",
     }
 
 
@@ -251,6 +261,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after the last join before measuring")
     ap.add_argument("--task-period", type=float, default=5.0, help="seconds between a fake worker's GetTasks")
     ap.add_argument("--chief-arg", action="append", default=[], help="extra argument for `shoal chief` (repeat)")
+    ap.add_argument("--keep", action="store_true", help="keep each case's chief log, journal and fleet log")
     ap.add_argument("--label", default="", help="tag every line (e.g. before/after)")
     ap.add_argument("--out", type=Path, help="also append the JSON lines here")
     args = ap.parse_args()
