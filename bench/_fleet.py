@@ -39,6 +39,7 @@ class Recorder:
         self.tasks_ms: list[float] = []
         self.errors: dict[str, int] = {}
         self.views = 0
+        self.rejoins = 0
 
     def error(self, what: str, exc: grpc.RpcError) -> None:
         if self.measuring:
@@ -75,9 +76,14 @@ class FakeWorker:
                                       step_seconds=0.1 + random.random() * 0.01)
             t0 = time.perf_counter()
             try:
-                await self.stub.Heartbeat(req, timeout=max(1.0, self.lease_s / 2))
+                reply = await self.stub.Heartbeat(req, timeout=max(1.0, self.lease_s / 2))
                 if self.rec.measuring:
                     self.rec.heartbeat_ms.append(1e3 * (time.perf_counter() - t0))
+                if not reply.known:         # the lease lapsed: join again, as ChiefClient does
+                    if self.rec.measuring:
+                        self.rec.rejoins += 1
+                    self.held = []
+                    await self.join()
             except grpc.RpcError as exc:
                 self.rec.error("heartbeat", exc)
             await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
@@ -143,7 +149,7 @@ async def run(address: str, n: int, task_period_s: float, dataset_size: int) -> 
         t.cancel()
     await asyncio.gather(*loops, return_exceptions=True)
     print(json.dumps({"pid": os.getpid(), "workers": n, "heartbeat_ms": rec.heartbeat_ms, "tasks_ms": rec.tasks_ms,
-                      "errors": rec.errors, "views": rec.views, "cpu_s": cpu, "wall_s": wall,
+                      "errors": rec.errors, "views": rec.views, "rejoins": rec.rejoins, "cpu_s": cpu, "wall_s": wall,
                       "seen": [w.seen for w in workers]}), flush=True)
     await asyncio.gather(*(w.channel.close() for w in workers))
 

@@ -1,7 +1,8 @@
 """The real chief over gRPC on loopback with many fake workers (issue 17, part 2).
 
 Per size N, one fresh chief started as ``shoal chief`` starts it (its own process, a journal, port 0,
-4 shards), 4 parameter-server members joined through the real ``ChiefClient`` (heartbeats and a
+4 shards, ``--recovery fast``: the fake parameter servers hold no data, so a lapsed ps lease must not
+stop the job and end the case), 4 parameter-server members joined through the real ``ChiefClient`` (heartbeats and a
 view watch in threads; no data plane), and N fake workers (bench/_fleet.py: no torch) spread over
 ``--procs`` processes on asyncio, each with its own channel: join, heartbeat every lease/4,
 ``GetTasks`` every ``--task-period`` s (a dataset of 100 tasks per worker, so no data epoch ends
@@ -16,9 +17,13 @@ leaving. It prints one JSON object per case:
 - view propagation per change: from just before the triggering RPC until the last watcher has a
   view of that epoch or newer (``time.monotonic`` is system-wide on Linux); the max over changes;
 - the chief's CPU (its process's utime+stime per wall second of the window), and the fake workers'
-  and this process's CPU over the same window, to see what the 2 shared cores bound;
+  and this process's CPU over the same window, to see what the 2 shared cores bound; and the time the
+  chief's threads spent runnable but waiting for a CPU (``/proc/PID/task/*/schedstat``) per wall
+  second, with the host's load average: a chief that waits for a CPU more than it runs is bounded by
+  the host, not by its own work;
 - the chief's RSS before the workers joined, after, and the growth per worker;
-- the RPC errors the fleet saw while measuring (deadline exceeded, unavailable...).
+- the RPC errors the fleet saw while measuring (deadline exceeded, unavailable...), and how many fake
+  workers had to join again because their lease lapsed (``rejoins``).
 
     .venv/bin/python bench/chief_grpc.py                          # 100, 500, 1000 workers: ~3 min
     .venv/bin/python bench/chief_grpc.py --sizes 1000 --window 30 --label after --out after.jsonl
@@ -45,6 +50,18 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK        # utime, stime
+
+
+def proc_runqueue_wait_s(pid: int) -> float:
+    """Seconds the process's live threads spent runnable but waiting for a CPU (schedstat's second
+    field; threads that ended are not counted)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
 
 
 def proc_rss(pid: int) -> int:
@@ -87,7 +104,8 @@ def start_chief(tmp: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     log = open(tmp / "chief.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "--log-level", "warning", "chief",
                              "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-                             "--journal", str(tmp / "chief.db"), "--num-shards", str(NUM_PS), *extra],
+                             "--journal", str(tmp / "chief.db"), "--num-shards", str(NUM_PS),
+                             "--recovery", "fast", *extra],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_until(lambda: proc.poll() is not None or (port_file.exists() and port_file.read_text().strip()),
@@ -172,6 +190,8 @@ def run_case(n: int, args) -> dict:
         stub = pb_grpc.ChiefStub(channel)
         layout = pb.ModelLayout(tensors=[pb.TensorSpec(name="w", shape=[1000], dtype="float32")])
         cpu_chief0, cpu_fleet0 = proc_cpu_s(chief.pid), sum(proc_cpu_s(f.proc.pid) for f in fleets)
+        wait_chief0 = proc_runqueue_wait_s(chief.pid)
+        load0 = open("/proc/loadavg").read().split()[0]
         cpu_self0, t0 = time.process_time(), time.monotonic()
         for f in fleets:
             f.send("measure")
@@ -198,6 +218,7 @@ def run_case(n: int, args) -> dict:
         cpu_chief = proc_cpu_s(chief.pid) - cpu_chief0
         cpu_fleet = sum(proc_cpu_s(f.proc.pid) for f in fleets) - cpu_fleet0
         cpu_self = time.process_time() - cpu_self0
+        wait_chief = proc_runqueue_wait_s(chief.pid) - wait_chief0
         for f in fleets:
             f.send("stop")
         wait_until(lambda: all(f.result() is not None or f.proc.poll() is not None for f in fleets), 120,
@@ -243,11 +264,12 @@ def run_case(n: int, args) -> dict:
         "chief_cpu_per_wall_s": round(cpu_chief / wall, 3),
         "fleet_cpu_per_wall_s": round(cpu_fleet / wall, 3),
         "coordinator_cpu_per_wall_s": round(cpu_self / wall, 3),
-        "host_cpus": os.cpu_count(), "loadavg_at_end": open("/proc/loadavg").read().split()[0],
+        "chief_runqueue_wait_per_wall_s": round(wait_chief / wall, 3),
+        "host_cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": open("/proc/loadavg").read().split()[0],
         "chief_rss_before_mb": round(rss_before / 2**20, 1), "chief_rss_after_mb": round(rss_after / 2**20, 1),
         "chief_rss_kb_per_worker": round((rss_after - rss_before) / n / 1024, 1),
         "chief_threads_before": threads_before, "chief_threads_after": threads_after,
-        "errors": errors, "trigger_errors": trigger_errors,
+        "rejoins": sum(r["rejoins"] for r in results), "errors": errors, "trigger_errors": trigger_errors,
         "chief_log_tail": log_tail if trigger_errors else "",
     }
 
