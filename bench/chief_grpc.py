@@ -27,6 +27,7 @@ leaving. It prints one JSON object per case:
 
     .venv/bin/python bench/chief_grpc.py                          # 100, 500, 1000 workers: ~3 min
     .venv/bin/python bench/chief_grpc.py --sizes 1000 --window 30 --label after --out after.jsonl
+    .venv/bin/python bench/chief_grpc.py --plot bench/chief_scale/chief_grpc.png before.jsonl after.jsonl
 """
 from __future__ import annotations
 
@@ -274,6 +275,44 @@ def run_case(n: int, args) -> dict:
     }
 
 
+def plot(out: Path, files: list[Path]) -> None:
+    """Heartbeat latency, view propagation and the chief's CPU against workers, one style per file."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, axv, axc) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for fi, f in enumerate(files):
+        rows = sorted((json.loads(x) for x in f.read_text().splitlines() if x.strip()), key=lambda r: r["workers"])
+        label, style = rows[0].get("label") or f.stem, ["-", "--", ":"][fi % 3]
+        xs = [r["workers"] for r in rows]
+        for i, q in enumerate(("p50", "p99")):
+            ax.plot(xs, [r["heartbeat_ms"].get(q) for r in rows], style, color=f"C{i}", marker="o",
+                    label=f"heartbeat {q} ({label})")
+        axv.plot(xs, [r["view_change_to_last_watcher_ms"]["max"] for r in rows], style, color="C2", marker="o",
+                 label=f"worst of the changes ({label})")
+        axc.plot(xs, [r["chief_cpu_per_wall_s"] for r in rows], style, color="C3", marker="o",
+                 label=f"chief CPU ({label})")
+        axc.plot(xs, [r["chief_runqueue_wait_per_wall_s"] for r in rows], style, color="C4", marker="s",
+                 label=f"chief waiting for a CPU ({label})")
+        axc.plot(xs, [r["fleet_cpu_per_wall_s"] for r in rows], style, color="C5", marker="^",
+                 label=f"fake workers' CPU ({label})")
+    for a, title, ylabel in ((ax, "heartbeat latency (answered calls)", "ms"),
+                             (axv, "view change to the last watcher", "ms"),
+                             (axc, "seconds per wall second", "s/s")):
+        a.set_xlabel("fake workers")
+        a.set_ylabel(ylabel)
+        a.set_title(title)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=7)
+    ax.set_yscale("log")
+    axv.set_yscale("log")
+    fig.suptitle("chief over gRPC on loopback, 2 shared cores (load ~20: see bench/RESULTS.md)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="100,500,1000", help="fake worker counts")
@@ -286,7 +325,12 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep each case's chief log, journal and fleet log")
     ap.add_argument("--label", default="", help="tag every line (e.g. before/after)")
     ap.add_argument("--out", type=Path, help="also append the JSON lines here")
+    ap.add_argument("--plot", type=Path, help="plot the JSON-lines files given as arguments to this PNG and exit")
+    ap.add_argument("files", nargs="*", type=Path)
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot, args.files)
+        return
     for n in (int(s) for s in args.sizes.split(",")):
         row = run_case(n, args)
         if args.label:
