@@ -8,7 +8,9 @@ Per size (members = workers; 4 parameter servers on top), one process per case, 
   ``reports_held``), and a few die each simulated second (they stop heartbeating; the lease check
   expires them and a replacement joins, which is also the view change of that second);
 - the lease check (``ChiefState.tick``) runs every 0.2 simulated seconds, as the chief's ticker;
-- the view is built once per view change (the servicer builds it once per answered watcher).
+- the view is built once per view change; then, after the run, one view change is answered to all N
+  watchers as the servicer's ``GetView`` does (built and serialized once per epoch), against the old
+  per-watcher build and serialization (``fanout_old_over_new``).
 
 It reports, as one JSON object per line: CPU-seconds per simulated second (measured over what ran),
 per-operation CPU cost (heartbeat, task request, view build, expiry check, join), the RSS the state
@@ -67,7 +69,7 @@ class Clock:
 
 
 def run_case(n: int, sim_s: float, cap_s: float, journal_cap_s: float, task_period_s: float,
-             deaths_per_s: int) -> dict:
+             deaths_per_s: int, fanout_old: int = 1000) -> dict:
     from shoal.chief.journal import Journal
     from shoal.chief.servicer import ChiefServicer
     from shoal.chief.state import ChiefState
@@ -160,6 +162,23 @@ def run_case(n: int, sim_s: float, cap_s: float, journal_cap_s: float, task_peri
     gc.collect()
     rss_state = rss_bytes() - rss0
 
+    # ---- view fan-out: one view change answered to every one of the n workers' watches, as the
+    # servicer's GetView does (lock held, bytes handed to gRPC): once per epoch now; the old code built
+    # and serialized it per watcher (measured over up to --fanout-old watchers, scaled to n if fewer)
+    from shoal import convert
+    fan = ChiefServicer(state)
+    t0 = time.process_time()
+    for _ in range(n):
+        fan._serialized_view(fresh=False)
+    fan_new = time.process_time() - t0
+    k = min(n, fanout_old)
+    t0 = time.process_time()
+    for _ in range(k):
+        convert.view_to_pb(state.view()).SerializeToString()
+    fan_old = (time.process_time() - t0) * n / k
+    fr = {"fanout_ms_per_change": 1e3 * fan_new, "fanout_old_ms_per_change": 1e3 * fan_old,
+          "fanout_old_watchers_measured": k, "fanout_old_over_new": fan_old / max(fan_new, 1e-9)}
+
     # ---- journal: one heartbeat-visible change (counters moved), journaled as the servicer does
     jr: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -191,7 +210,7 @@ def run_case(n: int, sim_s: float, cap_s: float, journal_cap_s: float, task_peri
     return {"members": n, "sim_s_requested": sim_s, "sim_s_run": round(sim_done, 2), "capped": capped,
             "wall_s": round(wall_total, 2), "cpu_s_per_sim_s": cpu_total / max(sim_done, 1e-9),
             "deaths": deaths, "counts": count, "cpu_us_per_op": per_op,
-            "rss_bytes": rss_state, "rss_bytes_per_member": rss_state / n, **jr}
+            "rss_bytes": rss_state, "rss_bytes_per_member": rss_state / n, **fr, **jr}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -247,6 +266,8 @@ def main() -> None:
     ap.add_argument("--journal-cap", type=float, default=8.0, help="wall seconds of journal writes per case")
     ap.add_argument("--task-period", type=float, default=5.0, help="simulated seconds between a worker's tasks")
     ap.add_argument("--deaths-per-s", type=int, default=2)
+    ap.add_argument("--fanout-old", type=int, default=1000,
+                    help="watchers the old per-watcher view build is measured over (scaled to the size above it)")
     ap.add_argument("--label", default="", help="tag every line (e.g. before/after)")
     ap.add_argument("--out", type=Path, help="also write the JSON lines here")
     ap.add_argument("--plot", type=Path, help="plot the JSON-lines files given as arguments to this PNG and exit")
@@ -258,17 +279,17 @@ def main() -> None:
         return
     if args.case:
         print(json.dumps(run_case(args.case, args.sim_s, args.cap, args.journal_cap, args.task_period,
-                                  args.deaths_per_s)))
+                                  args.deaths_per_s, args.fanout_old)))
         return
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
         cmd = [sys.executable, __file__, "--case", str(n), "--sim-s", str(args.sim_s), "--cap", str(args.cap),
                "--journal-cap", str(args.journal_cap), "--task-period", str(args.task_period),
-               "--deaths-per-s", str(args.deaths_per_s)]
+               "--deaths-per-s", str(args.deaths_per_s), "--fanout-old", str(args.fanout_old)]
         try:
             # joins and setup are outside the cap: allow them generously, then give up on the case
             done = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                  timeout=args.cap + args.journal_cap + 60 + n / 500)
+                                  timeout=args.cap + args.journal_cap + 180 + n / 500)
         except subprocess.TimeoutExpired:
             print(json.dumps({"members": n, "error": "timed out (setup or journal past the case's limit)"}))
             continue

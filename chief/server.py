@@ -16,11 +16,17 @@ from shoal.chief.telemetry import ChiefWatch
 from shoal.config import JobConfig
 from shoal.members import Role
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import create_server, set_serving
+from shoal.rpc import PreSerialized, create_server, set_serving
 
 log = logging.getLogger(__name__)
 
 SERVICE = "shoal.Chief"
+# Every live member keeps a view watch (GetView, a long poll) open, and a sync gRPC server holds a
+# thread for each call it serves: with fewer threads than watches, heartbeats queue behind watches
+# until those time out, and leases lapse (bench/chief_grpc.py: at 100 workers with 64 threads).
+# Threads start only as calls need them; this bounds the members whose watches and heartbeats are
+# served at once (above it, calls wait for a thread).
+RPC_THREADS = 4096
 
 
 class ChiefServer:
@@ -54,7 +60,8 @@ class ChiefServer:
         self._closed = False
         self.telemetry: ChiefWatch | None = None
         self.metrics_endpoint = None
-        self.server, self.port, self._health = create_server(bind)
+        self.server, self.port, self._health = create_server(
+            bind, max_workers=RPC_THREADS, interceptors=(PreSerialized(f"/{SERVICE}/GetView"),))
         pb_grpc.add_ChiefServicer_to_server(self.servicer, self.server)
         self._tick_s = tick_s
         # a gap in the ticker's progress this much over its period is the chief's own pause (membership.py)

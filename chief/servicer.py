@@ -43,6 +43,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self._cond = threading.Condition()
         self.guard = auth.Guard(self._credential_key)
         self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
+        self._published: tuple[int, bytes] | None = None    # (epoch, serialized view): see _serialized_view
 
     def _credential_key(self) -> bytes:
         return tokens.public_key(self.state.secret)
@@ -137,6 +138,17 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     def _view(self) -> pb.ClusterView:
         return convert.view_to_pb(self.state.view())
 
+    def _serialized_view(self, fresh: bool) -> bytes:
+        """The view as sent (lock held): built and serialized once per epoch and handed as the same
+        bytes to every watcher answered at that epoch, rather than once per watcher (O(members) each,
+        so O(members^2) per view change). ``fresh`` (a read that asked for no epoch: ``shoal
+        status``, ``refresh_view``) builds it anew, with the step times, counters and straggler flags
+        of now, which change without an epoch; the watchers of that epoch get it from then on."""
+        epoch = self.state.epoch
+        if fresh or self._published is None or self._published[0] != epoch:
+            self._published = (epoch, self._view().SerializeToString())
+        return self._published[1]
+
     @grpc_errors
     def Join(self, request, context):
         if request.role == pb.PS:
@@ -193,6 +205,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def GetView(self, request, context):
+        """Answers with the view's bytes, already serialized: the server registers this method with
+        ``shoal.rpc.PreSerialized`` (chief/server.py)."""
         deadline = time.monotonic() + (min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
                                        if math.isfinite(request.timeout_seconds) else 0.0)
         answered = []
@@ -211,7 +225,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             if self.failed is not None:     # a view the journal does not hold must not be seen
                 raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
             answered.append(True)
-            return self._view()
+            return self._serialized_view(fresh=request.after_epoch < 0)
 
     def _watch_closed(self, member_id: str, answered: bool) -> None:
         """gRPC's callback for a watch that ended, answered or not (it must not raise)."""

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from concurrent import futures
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -63,15 +63,18 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 
 
-def create_server(address: str, max_workers: int = 64) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A started-later server bound to ``address`` (port 0 picks a free one).
+def create_server(address: str, max_workers: int = 64, interceptors: Iterable[grpc.ServerInterceptor] = ()
+                  ) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started-later server bound to ``address`` (port 0 picks a free one); ``interceptors`` go
+    innermost, after the metrics, decode and token checks.
 
     Returns the server, the bound port and its health servicer (status SERVING
     is set by the caller once the role is ready).
     """
     token = auth.job_token()
     # Metrics first, so refused and undecodable calls are counted too.
-    interceptors = [*metrics_interceptors(), SafeDecode()] + ([auth.TokenInterceptor(token)] if token is not None else [])
+    interceptors = [*metrics_interceptors(), SafeDecode()] + ([auth.TokenInterceptor(token)] if token is not None else []) \
+        + list(interceptors)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="grpc"),
                          options=SERVER_OPTIONS, interceptors=interceptors)
@@ -98,6 +101,26 @@ def open_channel(address: str, credential: Callable[[], str] | None = None) -> g
     channel = grpc.secure_channel(address, cfg.channel_credentials(), options=CHANNEL_OPTIONS) if cfg.enabled \
         else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return auth.authenticated(channel, credential)
+
+
+class PreSerialized(grpc.ServerInterceptor):
+    """Lets the unary-reply ``methods`` (full names: ``/shoal.Chief/GetView``) answer with bytes they
+    serialized themselves, e.g. one message sent to many callers and serialized once; a message
+    they return is serialized as usual."""
+
+    def __init__(self, *methods: str):
+        self._methods = frozenset(methods)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method not in self._methods or handler.response_serializer is None:
+            return handler
+        serialize = handler.response_serializer
+
+        def bytes_or_serialized(reply) -> bytes:
+            return reply if isinstance(reply, bytes) else serialize(reply)
+
+        return handler._replace(response_serializer=bytes_or_serialized)
 
 
 class _Undecodable:

@@ -1,0 +1,163 @@
+"""Lightweight fake workers for bench/chief_grpc.py: many members per process on one asyncio loop.
+
+Each fake worker does what a training worker does towards the chief and nothing else (no torch,
+no parameter servers): one gRPC channel of its own (so one connection, as a real member has),
+``Join`` as a worker, a heartbeat every lease/4 with counters, task progress and a step time (as
+``ChiefClient._heartbeat_loop`` sends), ``GetTasks`` every ``task_period`` seconds reporting the
+finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch
+that long-polls ``GetView(after_epoch, timeout 5 s, member_id)`` and re-opens at once (as
+``ChiefClient._watch_loop``). Every received view is parsed (as a real member parses its own).
+
+Driven over stdin/stdout by the coordinator, one line each way:
+    -> ``ready N``            all N joined and running
+    <- ``measure``            start recording latencies and the views seen
+    <- ``stop``               print one JSON line with what was recorded, close the channels, exit
+                              (no Leave: the coordinator stops the chief next)
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+import grpc
+
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+
+LAYOUT = pb.ModelLayout(tensors=[pb.TensorSpec(name="w", shape=[1000], dtype="float32")])
+JOIN_CONCURRENCY = 16
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.measuring = False
+        self.heartbeat_ms: list[float] = []
+        self.tasks_ms: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.views = 0
+        self.rejoins = 0
+
+    def error(self, what: str, exc: grpc.RpcError) -> None:
+        if self.measuring:
+            key = f"{what}:{exc.code().name}"
+            self.errors[key] = self.errors.get(key, 0) + 1
+
+
+class FakeWorker:
+    def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float):
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.ChiefStub(self.channel)
+        self.rec = rec
+        self.dataset = dataset
+        self.task_period_s = task_period_s
+        self.member_id = ""
+        self.lease_s = 3.0
+        self.epoch = -1
+        self.seen: list[tuple[int, float]] = []     # (epoch, monotonic time first seen), while measuring
+        self.held: list[int] = []
+        self.steps = 0
+
+    async def join(self) -> None:
+        reply = await self.stub.Join(pb.JoinRequest(role=pb.WORKER, host="fleet", layout=LAYOUT), timeout=120)
+        self.member_id, self.lease_s, self.epoch = reply.member_id, reply.lease_seconds, reply.view.epoch
+
+    async def heartbeats(self) -> None:
+        period = max(0.05, self.lease_s / 4)
+        await asyncio.sleep(random.uniform(0, period))
+        while True:
+            self.steps += 1
+            req = pb.HeartbeatRequest(member_id=self.member_id,
+                                      counters=pb.Counters(steps=self.steps, samples=32 * self.steps),
+                                      progress=[pb.TaskProgress(task_id=t, next_start=0) for t in self.held],
+                                      step_seconds=0.1 + random.random() * 0.01)
+            t0 = time.perf_counter()
+            try:
+                reply = await self.stub.Heartbeat(req, timeout=max(1.0, self.lease_s / 2))
+                if self.rec.measuring:
+                    self.rec.heartbeat_ms.append(1e3 * (time.perf_counter() - t0))
+                if not reply.known:         # the lease lapsed: join again, as ChiefClient does
+                    if self.rec.measuring:
+                        self.rec.rejoins += 1
+                    self.held = []
+                    await self.join()
+            except grpc.RpcError as exc:
+                self.rec.error("heartbeat", exc)
+            await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
+
+    async def tasks(self) -> None:
+        await asyncio.sleep(random.uniform(0, self.task_period_s))
+        while True:
+            done = list(self.held)
+            req = pb.TaskRequest(member_id=self.member_id, dataset=self.dataset, max_tasks=1,
+                                 done_task_ids=done, held_task_ids=done, reports_held=True)
+            t0 = time.perf_counter()
+            try:
+                reply = await self.stub.GetTasks(req, timeout=max(1.0, self.lease_s))
+                if self.rec.measuring:
+                    self.rec.tasks_ms.append(1e3 * (time.perf_counter() - t0))
+                self.held = [t.task_id for t in reply.tasks]
+            except grpc.RpcError as exc:
+                self.rec.error("tasks", exc)
+            await asyncio.sleep(max(0.0, self.task_period_s - (time.perf_counter() - t0)))
+
+    async def watch(self) -> None:
+        while True:
+            try:
+                view = await self.stub.GetView(pb.ViewRequest(after_epoch=self.epoch, timeout_seconds=5.0,
+                                                              member_id=self.member_id),
+                                               timeout=5.0 + max(1.0, self.lease_s))
+            except grpc.RpcError as exc:
+                self.rec.error("view", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if view.epoch > self.epoch:
+                self.epoch = view.epoch
+                if self.rec.measuring:
+                    self.seen.append((view.epoch, time.monotonic()))
+                    self.rec.views += 1
+
+
+async def run(address: str, n: int, task_period_s: float, dataset_size: int) -> None:
+    rec = Recorder()
+    dataset = pb.DatasetSpec(size=dataset_size, batch_size=1, epochs=1000, batches_per_task=1)
+    workers = [FakeWorker(address, rec, dataset, task_period_s) for _ in range(n)]
+    gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+
+    async def join(w: FakeWorker) -> None:
+        async with gate:
+            await w.join()
+
+    await asyncio.gather(*(join(w) for w in workers))
+    loops = [asyncio.create_task(coro) for w in workers for coro in (w.heartbeats(), w.tasks(), w.watch())]
+    loop = asyncio.get_running_loop()
+    print(f"ready {n}", flush=True)
+    cpu0 = wall0 = 0.0
+    while True:
+        line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+        if line == "measure":
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            rec.measuring = True
+        elif line in ("stop", ""):
+            break
+    rec.measuring = False
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    for t in loops:
+        t.cancel()
+    await asyncio.gather(*loops, return_exceptions=True)
+    print(json.dumps({"pid": os.getpid(), "workers": n, "heartbeat_ms": rec.heartbeat_ms, "tasks_ms": rec.tasks_ms,
+                      "errors": rec.errors, "views": rec.views, "rejoins": rec.rejoins, "cpu_s": cpu, "wall_s": wall,
+                      "seen": [w.seen for w in workers]}), flush=True)
+    await asyncio.gather(*(w.channel.close() for w in workers))
+
+
+def main() -> None:
+    address, n, task_period_s, dataset_size = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    asyncio.run(run(address, n, task_period_s, dataset_size))
+
+
+if __name__ == "__main__":
+    main()
