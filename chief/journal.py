@@ -90,7 +90,6 @@ class Journal:
         self._change_bytes = 0
         self._last_small = ""
         self.writes = 0
-        self.write_seconds = 0.0
         self._lock = threading.Lock()
         if fresh:
             self._move_aside()
@@ -170,7 +169,6 @@ class Journal:
         self._last_small = small
 
     def _write(self, rows: list[tuple[str, str]], event: str) -> None:
-        t0 = time.perf_counter()
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -199,7 +197,6 @@ class Journal:
         else:
             self._change_bytes += sum(len(body) for _, body in rows)
         self.writes += 1
-        self.write_seconds += time.perf_counter() - t0
 
     def events(self, limit: int = 50) -> list[tuple[float, str]]:
         """The newest ``limit`` events, oldest first: ``(unix time, text)``."""
