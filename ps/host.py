@@ -168,8 +168,16 @@ class ShardHost:
             s = self.shards.get(head.shard)
         if s is None:
             raise FailedPrecondition(f"no copy of shard {head.shard} here: {NEEDS_COPY}")
+
+        def still_backup() -> None:
+            # checked again under the shard's lock: a view that promoted this copy meanwhile (a planned
+            # move) may have let it take pushes already, and the old primary's update must not follow
+            with self._lock:
+                self._check_sender(head.shard, head.primary_id)
+                if self.shards.get(head.shard) is not s:
+                    raise FailedPrecondition(f"no copy of shard {head.shard} here: {NEEDS_COPY}")
         try:
-            return s.apply_replica(u)
+            return s.apply_replica(u, still_backup)
         except FailedPrecondition as exc:
             raise FailedPrecondition(f"{exc} ({NEEDS_COPY})") from None
 

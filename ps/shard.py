@@ -301,8 +301,10 @@ class Shard:
         self._snapshots.clear()
         self._cond.notify_all()
 
-    def apply_replica(self, u: Update) -> int:
-        """A backup takes its primary's update; a resent one is a no-op. Returns the version."""
+    def apply_replica(self, u: Update, check: Callable[[], None] = lambda: None) -> int:
+        """A backup takes its primary's update; a resent one is a no-op. Returns the version. ``check``
+        (may raise: the sender is no longer the primary) runs under the shard's lock, so no promotion of
+        this copy slips between it and the apply (ps/host.py)."""
         if u.grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, update has {tuple(u.grad.shape)}")
         bad = count_nonfinite(u.grad)
@@ -310,6 +312,7 @@ class Shard:
             raise InvalidArgument(f"shard {self.shard_id}: the update to version {u.version} holds {bad} "
                                   f"non-finite value(s) (NaN/Inf); not applied")
         with self._cond:
+            check()
             if u.version <= self.version:
                 return self.version
             if u.version != self.version + 1:
