@@ -164,7 +164,7 @@ def test_a_planned_move_that_reaches_the_backup_while_an_old_update_is_on_its_wa
         real_apply = copy.apply_replica
 
         def view_arrives_first(u, *args):
-            backup.set_view(frozenset({"w"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-b", backup_id="ps-a")])
+            backup.set_view(frozenset({"w"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-b")])
             return real_apply(u, *args)
 
         copy.apply_replica = view_arrives_first
