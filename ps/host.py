@@ -49,6 +49,11 @@ class ShardHost:
         self.bytes_out = 0
         self.promotions = 0
         self._restoring: set[int] = set()             # shards being loaded from a checkpoint
+        # A shard the view makes this process primary of after its join (the chief spreads the shards no
+        # server took at its join, chief/placement.py) is loaded by ``restorer`` from the checkpoint the
+        # join named, when it named one, before an Init may create it
+        self.restore_path = ""
+        self.restorer: Callable[[int], None] | None = None
         self.on_backup_complete: Callable[[], None] = lambda: None   # a backup's first copy is in place
         self._restored = threading.Condition(self._lock)
         # Live-worker sets reach the shards from their own thread: a primary may hold its shard's
@@ -203,7 +208,13 @@ class ShardHost:
         with self._lock:
             self.live_workers = workers
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
+            known = set(self.assigned) | set(self.roles)    # a backup promoted with no copy is a loss: not here
             targets = self._apply_routes(routes, dropped) if routes is not None else []
+            restore = sorted(k for k in self.assigned - known if k not in self.shards) \
+                if self.restore_path and self.restorer is not None else []
+            self._restoring.update(restore)
+        for k in restore:
+            threading.Thread(target=self.restorer, args=(k,), name=f"restore-{k}", daemon=True).start()
         for s in dropped:                   # outside the host's lock: a round may hold the shard's a moment
             s.fence(s.fenced)
         for r, backup_id, backup_address in targets:
