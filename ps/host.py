@@ -260,14 +260,19 @@ class ShardHost:
                 targets.append((r, route.backup_id, route.backup_address))
             elif route.backup_id == self.member_id:
                 if self.roles.get(k) == PRIMARY:
+                    r = self.replicators.get(k)
+                    planned = r is not None and r.state == "in_sync" and r.backup == route.primary_id
                     dropped += self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its "
-                                                  f"backup")
+                                                  f"backup", planned=planned)
                 self.roles[k] = BACKUP
             elif k in self.shards or k in self.roles:
-                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary")
+                r = self.replicators.get(k)
+                # handed to the backup this copy kept in step (the chief's rebalancing): routine
+                planned = r is not None and r.state == "in_sync" and r.backup == route.primary_id
+                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary", planned=planned)
         return targets
 
-    def _drop_copy(self, shard: int, why: str) -> list[Shard]:
+    def _drop_copy(self, shard: int, why: str, planned: bool = False) -> list[Shard]:
         """Forgets this process's copy of ``shard`` (lock held); returns it, to be fenced (:meth:`Shard.fence`).
 
         The flag goes up first and the replicator closes next, so an update on its way to the backup
@@ -282,8 +287,9 @@ class ShardHost:
         self.assigned.discard(shard)
         if s is None:
             return []
-        log.log(logging.INFO if self.leaving else logging.WARNING,
-                "shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        log.log(logging.INFO if self.leaving or planned else logging.WARNING,
+                "shard %d: dropping this copy (version %d): %s%s", shard, s.version, why,
+                " (handed over to its in-sync backup)" if planned else "")
         return [s]
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ from shoal.errors import Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
-from shoal.ps.shard import Shard
+from shoal.ps.shard import HANDED_OVER, Shard
 from shoal.ps.update import Update
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs
@@ -265,7 +265,9 @@ class Replicator:
                     continue
                 details = exc.details() or ""
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and FENCED in details:
-                    raise Unavailable(f"backup refused update {u.version}: {details}") from None
+                    moved = f"{FENCED} {self.backup}" in details and self.state == "in_sync"
+                    raise Unavailable(f"backup refused update {u.version}: {details}"
+                                      + (f" ({HANDED_OVER})" if moved else "")) from None
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NEEDS_COPY in details:
                     self._restart_install(gen)
                     return

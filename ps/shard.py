@@ -37,6 +37,9 @@ KEY_MEMORY = 1 << 16  # idempotency keys remembered per shard
 NONFINITE_STREAK = 3
 
 
+HANDED_OVER = "handed over to its backup"     # in a replicator's refusal when that backup became the primary
+
+
 @dataclass
 class ShardStats:
     pushes_applied: int = 0
@@ -235,8 +238,10 @@ class Shard:
             try:
                 self.replicator(update)
             except Exception as exc:
-                log.error("shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
-                          self.shard_id, update.version, str(exc) or type(exc).__name__)
+                # the backup this copy kept in step was made primary (a planned move): routine, not an error
+                log.log(logging.INFO if HANDED_OVER in str(exc) else logging.ERROR,
+                        "shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
+                        self.shard_id, update.version, str(exc) or type(exc).__name__)
                 self._fence_locked(str(exc) or type(exc).__name__)
                 raise
             # The view may have dropped this copy while the update was on its way (fenced is set
