@@ -50,6 +50,7 @@ class ChiefState:
         # each primary's latest heartbeat: (shard, backup) pairs whose replication is in sync now; a planned
         # move needs it on top of ``complete`` (not journaled: a restarted chief waits for a heartbeat)
         self.in_sync: dict[str, frozenset[tuple[int, str]]] = {}
+        self.placed: set[int] = set()          # shards that ever had a primary (only others are placed fresh)
         self.moves_held = 0                    # > 0 while a checkpoint is cut: no primary moves (checkpointer.py)
         self.stopped = ""                      # why the job stopped: a consistent job lost a shard
         self.metrics: dict[str, float] = {}
@@ -88,6 +89,7 @@ class ChiefState:
             if free:
                 shard = free[0]
                 self.routing[shard] = m.member_id
+                self.placed.add(shard)
                 self.backups.pop(shard, None)
                 self.complete.pop(shard, None)
                 log.info("shard %d -> %s at %s", shard, m.member_id, address)
@@ -111,14 +113,16 @@ class ChiefState:
             return False
         live = self.members.alive(Role.PS)
         placeable: list[int] = []
-        # shards no server took at its join go to the live servers once the first has been up a lease
-        # (the others that start with it have joined by then, and no worker inits a shard before all
-        # are routed); a shard that lost every whole copy waits for --recovery's way instead
-        if live and self._clock() - min(m.joined_at for m in live) >= self.job.lease_seconds:
-            placeable = [k for k in range(self.job.num_shards) if k not in self.routing and k not in self.lost]
+        # shards no server took at its join go to the live servers once no server has joined for a lease
+        # (those started together have joined by then, and no worker inits a shard before all are
+        # routed); a shard that had a primary once (it lost every whole copy, or its last copy left)
+        # is never placed fresh: --recovery's way, or the next server to join, takes it
+        if live and self._clock() - max(m.joined_at for m in live) >= self.job.lease_seconds:
+            placeable = [k for k in range(self.job.num_shards) if k not in self.placed]
         lines = placement.rebalance(self.job.num_shards, self.routing, self.backups, self.complete, self.in_sync,
                                     [m.member_id for m in live], self.job.replicas, placeable,
                                     moves=self.moves_held == 0)
+        self.placed.update(self.routing)
         for line in lines:
             log.info("%s", line)
         if lines:
@@ -338,6 +342,7 @@ class ChiefState:
             "backups": [[k, mid] for k, mid in sorted(self.backups.items())],
             "complete": [[k, mid] for k, mid in sorted(self.complete.items())],
             "lost": list(self.lost),
+            "placed": sorted(self.placed),
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
@@ -381,6 +386,8 @@ class ChiefState:
         s.backups = {int(k): mid for k, mid in d.get("backups", [])}
         s.complete = {int(k): mid for k, mid in d.get("complete", [])}
         s.lost = [int(k) for k in d.get("lost", [])]
+        # a journal from before placement: every shard with a primary, or lost, had one
+        s.placed = {int(k) for k in d.get("placed", [*s.routing, *s.lost])}
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}

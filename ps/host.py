@@ -267,8 +267,10 @@ class ShardHost:
                 self.roles[k] = BACKUP
             elif k in self.shards or k in self.roles:
                 r = self.replicators.get(k)
-                # handed to the backup this copy kept in step (the chief's rebalancing): routine
-                planned = r is not None and r.state == "in_sync" and r.backup == route.primary_id
+                # a backup copy the chief aimed elsewhere, or a primary handed to the backup it kept in
+                # step (the chief's rebalancing, chief/placement.py): routine
+                planned = self.roles.get(k) == BACKUP or (
+                    r is not None and r.state == "in_sync" and r.backup == route.primary_id)
                 dropped += self._drop_copy(k, f"the view names {route.primary_id} primary", planned=planned)
         return targets
 
@@ -289,7 +291,7 @@ class ShardHost:
             return []
         log.log(logging.INFO if self.leaving or planned else logging.WARNING,
                 "shard %d: dropping this copy (version %d): %s%s", shard, s.version, why,
-                " (handed over to its in-sync backup)" if planned else "")
+                " (a planned move)" if planned else "")
         return [s]
 
     def close(self) -> None:

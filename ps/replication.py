@@ -337,8 +337,10 @@ class Replicator:
                     return
                 if isinstance(exc, ValueError):
                     raise
-                log.warning("shard %d: copy to backup %s failed (%s); retrying", self.shard_id, self.backup,
-                            exc.code().name)  # type: ignore[union-attr]
+                # FAILED_PRECONDITION: the backup has not seen the view naming this primary yet (a move)
+                lag = exc.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[union-attr]
+                log.log(logging.INFO if lag else logging.WARNING, "shard %d: copy to backup %s failed (%s); "
+                        "retrying", self.shard_id, self.backup, exc.code().name)  # type: ignore[union-attr]
                 self._stop.wait(max(self._retry_s, 0.2))
 
     def _install_once(self, gen: int, shard: Shard) -> None:

@@ -142,8 +142,9 @@ class Placement(RuleBasedStateMachine):
         if live and not self.s.stopped:
             cap = math.ceil(self.s.job.num_shards / len(live))
             assert busiest(self.s) <= cap, (self.s.routing, self.s.backups, live)
-            placeable = [k for k in range(self.s.job.num_shards) if k not in self.s.lost]
-            assert all(k in self.s.routing for k in placeable)
+            assert set(range(self.s.job.num_shards)) == self.s.placed     # every shard had a primary
+            fresh = [k for k in range(self.s.job.num_shards) if k not in self.s.lost and self.copies.whole[k]]
+            assert all(k in self.s.routing for k in fresh)
 
     @invariant()
     def a_whole_copy_means_a_primary(self):
@@ -260,3 +261,30 @@ def test_no_server_over_the_bound_moves_nothing(clock, replicas):
     assert not [line for line in placement.rebalance(4, s.routing, s.backups, s.complete, {}, live_ps(s), replicas)
                 if "moved" in line]
     assert s.routing == routing
+
+
+def test_a_shard_whose_last_copy_left_is_not_placed_fresh_on_a_live_server(clock):
+    """The servers leave one by one at the end of a job: a shard whose last copy left must not come back
+    empty on a server still there (a worker would Init it from its own weights)."""
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=LEASE, replicas=1), clock)
+    a = s.join_ps("h:0")[0].member_id
+    b = s.join_ps("h:1")[0].member_id
+    s.leave(b)
+    clock.advance(2 * LEASE)
+    s.heartbeat(a)
+    s.tick()
+    assert s.routing == {0: a} and s.lost == []
+    assert ChiefState.from_dict(s.to_dict(), clock).placed == {0, 1}     # journaled
+
+
+def test_shards_are_placed_once_no_server_has_joined_for_a_lease(clock):
+    s = ChiefState(JobConfig(num_shards=4, lease_seconds=LEASE), clock)
+    a = s.join_ps("h:0")[0].member_id
+    clock.advance(LEASE * 0.9)
+    b = s.join_ps("h:1")[0].member_id
+    clock.advance(LEASE * 0.9)          # a lease after the first join, not after the last
+    s.heartbeat(a), s.heartbeat(b), s.tick()
+    assert sorted(s.routing) == [0, 1]
+    clock.advance(LEASE * 0.2)
+    s.heartbeat(a), s.heartbeat(b), s.tick()
+    assert sorted(s.routing) == [0, 1, 2, 3] and busiest(s) == 2
