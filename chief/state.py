@@ -121,7 +121,8 @@ class ChiefState:
             placeable = [k for k in range(self.job.num_shards) if k not in self.placed]
         lines = placement.rebalance(self.job.num_shards, self.routing, self.backups, self.complete, self.in_sync,
                                     [m.member_id for m in live], self.job.replicas, placeable,
-                                    moves=self.moves_held == 0)
+                                    # no moves once every task is done: the servers are about to leave
+                                    moves=self.moves_held == 0 and not self.tasks.finished)
         self.placed.update(self.routing)
         for line in lines:
             log.info("%s", line)
