@@ -109,11 +109,14 @@ def _move_one(cap: int, routing: MutableMapping[int, str], backups: MutableMappi
               live: list[str]) -> str:
     """Hands one shard of the most overloaded primary to its whole backup with room; "" if none can move."""
     load = _load(routing, backups, live)
+    mine: dict[str, list[int]] = {}
+    for k, q in routing.items():
+        mine.setdefault(q, []).append(k)
     for p in sorted(live, key=lambda q: (-load[q][0], q)):
         if load[p][0] <= cap:
             return ""
         options = []
-        for k in sorted(k for k, q in routing.items() if q == p):
+        for k in sorted(mine.get(p, ())):
             b = backups.get(k)
             if b in load and load[b][0] < cap and complete.get(k) == b and (k, b) in in_sync.get(p, frozenset()):
                 options.append((load[b], b, k))
