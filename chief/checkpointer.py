@@ -318,6 +318,7 @@ class Checkpointer:
         finally:
             with self.lock:
                 self.state.moves_held -= 1
+                self.state.rebalance_soon()
 
     def _due(self, top: int, finished: bool = False) -> bool:
         if finished:                                 # every task is done: keep the final model, until it is kept

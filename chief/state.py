@@ -52,6 +52,7 @@ class ChiefState:
         self.in_sync: dict[str, frozenset[tuple[int, str]]] = {}
         self.placed: set[int] = set()          # shards that ever had a primary (only others are placed fresh)
         self.moves_held = 0                    # > 0 while a checkpoint is cut: no primary moves (checkpointer.py)
+        self._unsettled = True                 # the ticker re-runs placement until a run finds nothing to wait for
         self.stopped = ""                      # why the job stopped: a consistent job lost a shard
         self.metrics: dict[str, float] = {}
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
@@ -109,6 +110,7 @@ class ChiefState:
     def rebalance(self) -> bool:
         """Places free shards, refills backups and moves primaries off overloaded servers
         (chief/placement.py); True if the view changed (the epoch is bumped)."""
+        self._unsettled = False
         if self.stopped:
             return False
         live = self.members.alive(Role.PS)
@@ -124,11 +126,17 @@ class ChiefState:
                                     # no moves once every task is done: the servers are about to leave
                                     moves=self.moves_held == 0 and not self.tasks.finished)
         self.placed.update(self.routing)
+        # the ticker comes back while shards wait for their placement or a checkpoint holds the moves
+        self._unsettled = bool(lines) or self.moves_held > 0 or len(self.placed) < self.job.num_shards
         for line in lines:
             log.info("%s", line)
         if lines:
             self._changed("placement: " + "; ".join(lines))
         return bool(lines)
+
+    def rebalance_soon(self) -> None:
+        """The ticker runs placement again (a checkpoint let go of the moves it held)."""
+        self._unsettled = True
 
     def heartbeat(self, member_id: str, counters: Counters | None = None,
                   progress: Mapping[int, int] | None = None, step_seconds: float = 0.0,
@@ -179,7 +187,8 @@ class ChiefState:
             self._drop(m)
         if gone:
             self._changed("expired " + ", ".join(m.member_id for m in gone))
-        self.rebalance()
+        if self._unsettled:
+            self.rebalance()
         return gone
 
     def expire(self, member_id: str, why: str) -> bool:
