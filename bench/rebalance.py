@@ -150,6 +150,12 @@ def cluster_case(mode: str, servers: int, hidden: int, lease: float) -> dict:
                 return
 
     def churn():
+        try:
+            _churn()
+        finally:
+            marks["done"] = True           # a failed wait stops the training too: its error is the result
+
+    def _churn():
         wait_until(lambda: steps[0] >= 40, timeout_s=120, what="training")
         wait_until(lambda: all(r.backup_complete for r in c.chief.state.view().routes), timeout_s=60,
                    what="whole backups")
