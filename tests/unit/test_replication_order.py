@@ -174,3 +174,28 @@ def test_a_planned_move_that_reaches_the_backup_while_an_old_update_is_on_its_wa
     finally:
         primary_host.close()
         backup.close()
+
+
+def test_a_shard_the_view_assigns_after_the_join_is_restored_before_an_init_can_create_it():
+    """The chief spreads the shards no server took at its join: a server named primary of one it has
+    never held loads it from the checkpoint its join named; a backup promoted without a copy is a loss
+    (--recovery decides), not restored here; with no checkpoint, workers Init as before."""
+    host = ShardHost()
+    host.member_id = "ps-a"
+    host.job = JobConfig(mode="async", num_shards=4)
+    restored = []
+    done = threading.Event()
+    host.restore_path, host.restorer = "/ckpt/7", lambda k: (restored.append(k), done.set())
+    try:
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=1, primary_id="ps-b", backup_id="ps-a")])
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=3, primary_id="ps-a"),
+                                       pb.ShardRoute(shard=1, primary_id="ps-a")])
+        assert done.wait(5) and restored == [3]
+        with pytest.raises(Unavailable, match="still being restored"):
+            host.create(3, torch.zeros(4), SGD, "fp", restore_wait_s=0.1)
+        host.restore_path = ""
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=2, primary_id="ps-a")])
+        s, created = host.create(2, torch.zeros(4), SGD, "fp")
+        assert created and restored == [3]
+    finally:
+        host.close()
