@@ -34,6 +34,7 @@ re-sliced when the job has a different number of shards.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
@@ -300,7 +301,24 @@ class Checkpointer:
         top = max(versions.values())
         if not self._due(top, finished):
             return None
-        return self.checkpoint(routes, layout, top, settled=versions if finished else None)
+        with self._moves_held():
+            with self.lock:     # a primary moved before the hold (chief/placement.py): try again at the next poll
+                if [(r.shard, r.member_id) for r in routes] != [(r.shard, r.member_id) for r in self.state.view().routes]:
+                    return None
+            return self.checkpoint(routes, layout, top, settled=versions if finished else None)
+
+    @contextlib.contextmanager
+    def _moves_held(self):
+        """No planned move of a primary while a cut is taken (chief/placement.py): a shard moved between
+        its freeze and its write would be cut at a copy that no longer takes its pushes."""
+        with self.lock:
+            self.state.moves_held += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.state.moves_held -= 1
+                self.state.rebalance_soon()
 
     def _due(self, top: int, finished: bool = False) -> bool:
         if finished:                                 # every task is done: keep the final model, until it is kept
@@ -342,6 +360,10 @@ class Checkpointer:
             held = max(e.pop("frozen_seconds") for e in entries.values())
             for e in entries.values():
                 pending.add_entry(e)
+            with self.lock:
+                now = {k: mid for k, mid in self.state.routing.items()}
+            if any(now.get(r.shard) != r.member_id for r in routes):
+                raise FailedPrecondition(f"a shard changed primary during the cut: {dict(sorted(now.items()))}")
             path = pending.commit(layout, len(routes), {**meta, "held_ms": round(held * 1e3, 3)}, replace=True)
         except Exception as exc:  # noqa: BLE001 - any failure aborts this attempt, not the job
             if pending is not None:

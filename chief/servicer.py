@@ -172,7 +172,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
                                 view=self._view(), shard=shard,
                                 verify_key=tokens.public_key(self.state.secret) if request.role == pb.PS else b"",
-                                restore_checkpoint=ckpts.restore_path() if ckpts and shard >= 0 else "",
+                                restore_checkpoint=ckpts.restore_path() if ckpts and request.role == pb.PS else "",
                                 credential=auth.issue(self.state.secret, m.member_id,
                                                       auth.PS if request.role == pb.PS else auth.WORKER))
 

@@ -12,6 +12,7 @@ import statistics
 from typing import Callable, Mapping
 
 from shoal import tokens
+from shoal.chief import placement
 from shoal.chief.membership import Membership
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
@@ -46,6 +47,12 @@ class ChiefState:
         self.backups: dict[int, str] = {}      # shard -> backup ps (with replicas = 2)
         self.complete: dict[int, str] = {}     # shard -> the backup its primary reported holding a whole copy
         self.lost: list[int] = []              # shards that lost every copy (see recovery)
+        # each primary's latest heartbeat: (shard, backup) pairs whose replication is in sync now; a planned
+        # move needs it on top of ``complete`` (not journaled: a restarted chief waits for a heartbeat)
+        self.in_sync: dict[str, frozenset[tuple[int, str]]] = {}
+        self.placed: set[int] = set()          # shards that ever had a primary (only others are placed fresh)
+        self.moves_held = 0                    # > 0 while a checkpoint is cut: no primary moves (checkpointer.py)
+        self._unsettled = True                 # the ticker re-runs placement until a run finds nothing to wait for
         self.stopped = ""                      # why the job stopped: a consistent job lost a shard
         self.metrics: dict[str, float] = {}
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
@@ -83,11 +90,13 @@ class ChiefState:
             if free:
                 shard = free[0]
                 self.routing[shard] = m.member_id
+                self.placed.add(shard)
                 self.backups.pop(shard, None)
                 self.complete.pop(shard, None)
                 log.info("shard %d -> %s at %s", shard, m.member_id, address)
         self._assign_backups()
         self._changed(f"ps {m.member_id} joined (shard {shard})")
+        self.rebalance()
         return m, shard
 
     def _assign_backups(self) -> None:
@@ -95,16 +104,39 @@ class ChiefState:
         if self.job.replicas < 2:
             return
         live = [m.member_id for m in self.members.alive(Role.PS)]
-        for k in sorted(self.routing):
-            if k in self.backups:
-                continue
-            load = {p: sum(1 for b in self.backups.values() if b == p) +
-                    sum(1 for q in self.routing.values() if q == p) for p in live}
-            candidates = sorted((load[p], p) for p in live if p != self.routing[k])
-            if candidates:
-                self.backups[k] = candidates[0][1]
-                self.complete.pop(k, None)       # it has no copy yet: its primary says when it does
-                log.info("shard %d: backup %s", k, self.backups[k])
+        for line in placement.assign_backups(self.routing, self.backups, self.complete, live):
+            log.info("%s", line)
+
+    def rebalance(self) -> bool:
+        """Places free shards, refills backups and moves primaries off overloaded servers
+        (chief/placement.py); True if the view changed (the epoch is bumped)."""
+        self._unsettled = False
+        if self.stopped:
+            return False
+        live = self.members.alive(Role.PS)
+        placeable: list[int] = []
+        # shards no server took at its join go to the live servers once no server has joined for a lease
+        # (those started together have joined by then, and no worker inits a shard before all are
+        # routed); a shard that had a primary once (it lost every whole copy, or its last copy left)
+        # is never placed fresh: --recovery's way, or the next server to join, takes it
+        if live and self._clock() - max(m.joined_at for m in live) >= self.job.lease_seconds:
+            placeable = [k for k in range(self.job.num_shards) if k not in self.placed]
+        lines = placement.rebalance(self.job.num_shards, self.routing, self.backups, self.complete, self.in_sync,
+                                    [m.member_id for m in live], self.job.replicas, placeable,
+                                    # no moves once every task is done: the servers are about to leave
+                                    moves=self.moves_held == 0 and not self.tasks.finished)
+        self.placed.update(self.routing)
+        # the ticker comes back while shards wait for their placement or a checkpoint holds the moves
+        self._unsettled = bool(lines) or self.moves_held > 0 or len(self.placed) < self.job.num_shards
+        for line in lines:
+            log.info("%s", line)
+        if lines:
+            self._changed("placement: " + "; ".join(lines))
+        return bool(lines)
+
+    def rebalance_soon(self) -> None:
+        """The ticker runs placement again (a checkpoint let go of the moves it held)."""
+        self._unsettled = True
 
     def heartbeat(self, member_id: str, counters: Counters | None = None,
                   progress: Mapping[int, int] | None = None, step_seconds: float = 0.0,
@@ -118,6 +150,12 @@ class ChiefState:
                 self.complete[k] = backup
                 log.info("shard %d: backup %s holds a whole copy (its primary %s says so)", k, backup, member_id)
                 self._changed(f"shard {k}'s backup {backup} is complete")
+        m = self.members.find(member_id)
+        if m is not None and m.role is Role.PS:
+            pairs = frozenset((backups_complete or {}).items())
+            if self.in_sync.get(member_id) != pairs:
+                self.in_sync[member_id] = pairs
+                self.rebalance()          # a backup in sync now may take over a shard
         for task_id, next_start in (progress or {}).items():
             self.tasks.progress(member_id, task_id, next_start)
         if step_seconds > 0 and self.step_seconds.get(member_id) != step_seconds:
@@ -149,6 +187,8 @@ class ChiefState:
             self._drop(m)
         if gone:
             self._changed("expired " + ", ".join(m.member_id for m in gone))
+        if self._unsettled:
+            self.rebalance()
         return gone
 
     def expire(self, member_id: str, why: str) -> bool:
@@ -221,7 +261,9 @@ class ChiefState:
                         log.warning("shard %d: --recovery fast goes on; the next ps to take it starts from the "
                                     "newest checkpoint or a worker's weights, and the updates it held since "
                                     "are lost", k)
+        self.in_sync.pop(m.member_id, None)
         self._assign_backups()
+        self.rebalance()
 
     # ------------------------------------------------------------ data tasks
 
@@ -310,6 +352,7 @@ class ChiefState:
             "backups": [[k, mid] for k, mid in sorted(self.backups.items())],
             "complete": [[k, mid] for k, mid in sorted(self.complete.items())],
             "lost": list(self.lost),
+            "placed": sorted(self.placed),
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
@@ -353,6 +396,8 @@ class ChiefState:
         s.backups = {int(k): mid for k, mid in d.get("backups", [])}
         s.complete = {int(k): mid for k, mid in d.get("complete", [])}
         s.lost = [int(k) for k in d.get("lost", [])]
+        # a journal from before placement: every shard with a primary, or lost, had one
+        s.placed = {int(k) for k in d.get("placed", [*s.routing, *s.lost])}
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}

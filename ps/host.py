@@ -49,6 +49,11 @@ class ShardHost:
         self.bytes_out = 0
         self.promotions = 0
         self._restoring: set[int] = set()             # shards being loaded from a checkpoint
+        # A shard the view makes this process primary of after its join (the chief spreads the shards no
+        # server took at its join, chief/placement.py) is loaded by ``restorer`` from the checkpoint the
+        # join named, when it named one, before an Init may create it
+        self.restore_path = ""
+        self.restorer: Callable[[int], None] | None = None
         self.on_backup_complete: Callable[[], None] = lambda: None   # a backup's first copy is in place
         self._restored = threading.Condition(self._lock)
         # Live-worker sets reach the shards from their own thread: a primary may hold its shard's
@@ -168,8 +173,16 @@ class ShardHost:
             s = self.shards.get(head.shard)
         if s is None:
             raise FailedPrecondition(f"no copy of shard {head.shard} here: {NEEDS_COPY}")
+
+        def still_backup() -> None:
+            # checked again under the shard's lock: a view that promoted this copy meanwhile (a planned
+            # move) may have let it take pushes already, and the old primary's update must not follow
+            with self._lock:
+                self._check_sender(head.shard, head.primary_id)
+                if self.shards.get(head.shard) is not s:
+                    raise FailedPrecondition(f"no copy of shard {head.shard} here: {NEEDS_COPY}")
         try:
-            return s.apply_replica(u)
+            return s.apply_replica(u, still_backup)
         except FailedPrecondition as exc:
             raise FailedPrecondition(f"{exc} ({NEEDS_COPY})") from None
 
@@ -195,7 +208,13 @@ class ShardHost:
         with self._lock:
             self.live_workers = workers
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
+            known = set(self.assigned) | set(self.roles)    # a backup promoted with no copy is a loss: not here
             targets = self._apply_routes(routes, dropped) if routes is not None else []
+            restore = sorted(k for k in self.assigned - known if k not in self.shards) \
+                if self.restore_path and self.restorer is not None else []
+            self._restoring.update(restore)
+        for k in restore:
+            threading.Thread(target=self.restorer, args=(k,), name=f"restore-{k}", daemon=True).start()
         for s in dropped:                   # outside the host's lock: a round may hold the shard's a moment
             s.fence(s.fenced)
         for r, backup_id, backup_address in targets:
@@ -241,14 +260,21 @@ class ShardHost:
                 targets.append((r, route.backup_id, route.backup_address))
             elif route.backup_id == self.member_id:
                 if self.roles.get(k) == PRIMARY:
+                    r = self.replicators.get(k)
+                    planned = r is not None and r.state == "in_sync" and r.backup == route.primary_id
                     dropped += self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its "
-                                                  f"backup")
+                                                  f"backup", planned=planned)
                 self.roles[k] = BACKUP
             elif k in self.shards or k in self.roles:
-                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary")
+                r = self.replicators.get(k)
+                # a backup copy the chief aimed elsewhere, or a primary handed to the backup it kept in
+                # step (the chief's rebalancing, chief/placement.py): routine
+                planned = self.roles.get(k) == BACKUP or (
+                    r is not None and r.state == "in_sync" and r.backup == route.primary_id)
+                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary", planned=planned)
         return targets
 
-    def _drop_copy(self, shard: int, why: str) -> list[Shard]:
+    def _drop_copy(self, shard: int, why: str, planned: bool = False) -> list[Shard]:
         """Forgets this process's copy of ``shard`` (lock held); returns it, to be fenced (:meth:`Shard.fence`).
 
         The flag goes up first and the replicator closes next, so an update on its way to the backup
@@ -263,8 +289,9 @@ class ShardHost:
         self.assigned.discard(shard)
         if s is None:
             return []
-        log.log(logging.INFO if self.leaving else logging.WARNING,
-                "shard %d: dropping this copy (version %d): %s", shard, s.version, why)
+        log.log(logging.INFO if self.leaving or planned else logging.WARNING,
+                "shard %d: dropping this copy (version %d): %s%s", shard, s.version, why,
+                " (a planned move)" if planned else "")
         return [s]
 
     def close(self) -> None:

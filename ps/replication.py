@@ -35,7 +35,7 @@ from shoal.errors import Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
-from shoal.ps.shard import Shard
+from shoal.ps.shard import HANDED_OVER, Shard
 from shoal.ps.update import Update
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs
@@ -265,7 +265,9 @@ class Replicator:
                     continue
                 details = exc.details() or ""
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and FENCED in details:
-                    raise Unavailable(f"backup refused update {u.version}: {details}") from None
+                    moved = f"{FENCED} {self.backup}" in details and self.state == "in_sync"
+                    raise Unavailable(f"backup refused update {u.version}: {details}"
+                                      + (f" ({HANDED_OVER})" if moved else "")) from None
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NEEDS_COPY in details:
                     self._restart_install(gen)
                     return
@@ -335,8 +337,10 @@ class Replicator:
                     return
                 if isinstance(exc, ValueError):
                     raise
-                log.warning("shard %d: copy to backup %s failed (%s); retrying", self.shard_id, self.backup,
-                            exc.code().name)  # type: ignore[union-attr]
+                # FAILED_PRECONDITION: the backup has not seen the view naming this primary yet (a move)
+                lag = exc.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[union-attr]
+                log.log(logging.INFO if lag else logging.WARNING, "shard %d: copy to backup %s failed (%s); "
+                        "retrying", self.shard_id, self.backup, exc.code().name)  # type: ignore[union-attr]
                 self._stop.wait(max(self._retry_s, 0.2))
 
     def _install_once(self, gen: int, shard: Shard) -> None:

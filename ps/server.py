@@ -73,6 +73,8 @@ class PSServer:
             log.info("chief has no free shard for %s; it holds backups until it is promoted", self.address)
         else:
             self.host.assign(reply.shard, job, restoring=bool(reply.restore_checkpoint))
+        self.host.restore_path = reply.restore_checkpoint
+        self.host.restorer = self._restore
         self.chief.on_view(self._on_view)
         self.chief.start_background()
         if reply.shard >= 0 and reply.restore_checkpoint:   # heartbeats run meanwhile; Inits wait for it
@@ -85,6 +87,13 @@ class PSServer:
         set_serving(self._health, SERVICE, True)
         log.info("ps %s serving shard %d on %s", self.chief.member_id, reply.shard, self.address)
         return self
+
+    def _restore(self, shard: int) -> None:
+        """Loads a shard the view assigned after the join from the checkpoint the job resumed from."""
+        try:
+            restore_shard(self.host, shard, self.host.restore_path, self.host.job)
+        except Exception:   # noqa: BLE001 - its Inits keep waiting (and fail): never a silent fresh start
+            log.exception("cannot restore shard %d from %s", shard, self.host.restore_path)
 
     def serve_metrics(self, port: int | None) -> "PSServer":
         """Gauges of the shards this server holds in the registry; with ``port`` (0: any free one) ``/metrics``."""

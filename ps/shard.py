@@ -37,6 +37,9 @@ KEY_MEMORY = 1 << 16  # idempotency keys remembered per shard
 NONFINITE_STREAK = 3
 
 
+HANDED_OVER = "handed over to its backup"     # in a replicator's refusal when that backup became the primary
+
+
 @dataclass
 class ShardStats:
     pushes_applied: int = 0
@@ -235,8 +238,10 @@ class Shard:
             try:
                 self.replicator(update)
             except Exception as exc:
-                log.error("shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
-                          self.shard_id, update.version, str(exc) or type(exc).__name__)
+                # the backup this copy kept in step was made primary (a planned move): routine, not an error
+                log.log(logging.INFO if HANDED_OVER in str(exc) else logging.ERROR,
+                        "shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
+                        self.shard_id, update.version, str(exc) or type(exc).__name__)
                 self._fence_locked(str(exc) or type(exc).__name__)
                 raise
             # The view may have dropped this copy while the update was on its way (fenced is set
@@ -301,8 +306,10 @@ class Shard:
         self._snapshots.clear()
         self._cond.notify_all()
 
-    def apply_replica(self, u: Update) -> int:
-        """A backup takes its primary's update; a resent one is a no-op. Returns the version."""
+    def apply_replica(self, u: Update, check: Callable[[], None] = lambda: None) -> int:
+        """A backup takes its primary's update; a resent one is a no-op. Returns the version. ``check``
+        (may raise: the sender is no longer the primary) runs under the shard's lock, so no promotion of
+        this copy slips between it and the apply (ps/host.py)."""
         if u.grad.shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, update has {tuple(u.grad.shape)}")
         bad = count_nonfinite(u.grad)
@@ -310,6 +317,7 @@ class Shard:
             raise InvalidArgument(f"shard {self.shard_id}: the update to version {u.version} holds {bad} "
                                   f"non-finite value(s) (NaN/Inf); not applied")
         with self._cond:
+            check()
             if u.version <= self.version:
                 return self.version
             if u.version != self.version + 1:

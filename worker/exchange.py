@@ -171,6 +171,7 @@ class ShardExchange:
                 if not is_failover(exc):
                     raise
                 self.routes.reroute(shard, client, exc)
+        self._sent_to[shard] = client
         self._count(pushed=sent)
         return reply
 
@@ -200,6 +201,14 @@ class ShardExchange:
         since = self._held.pop(shard, None) if self.delta_pulls else None
         while True:
             client = self._clients[shard]
+            sent = self._sent.get(shard)
+            if resend and sent is not None and self._sent_to.get(shard) not in (None, client):
+                # the view moved the shard after its push was answered (a planned move, followed without a
+                # failed call): the new primary may not have it, and a sync round there would wait for it
+                reply = self._send(shard, sent)
+                if not reply.accepted and not reply.duplicate:
+                    min_version = min(min_version, reply.version)
+                continue                          # pull from the client that took it
             try:
                 version, got = client.pull(buf, min_version, self.pull_codec, since=since)
                 break

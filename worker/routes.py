@@ -76,20 +76,20 @@ class ShardRoutes:
                 client.close()
 
     def follow(self, view: pb.ClusterView) -> None:
-        """A view that names another primary for a shard whose primary left the job (a planned hand-over,
-        e.g. a ps stopped by SIGTERM) moves the shard's client before any call fails there. A primary
-        that is still a member keeps its client: only a failed call (:meth:`reroute`) moves it."""
+        """A view that names another primary for a shard moves the shard's client before any call fails
+        there: a planned hand-over (a ps stopped by SIGTERM; the chief moving a primary to its in-sync
+        backup to rebalance, chief/placement.py, with the old primary still a member) or a failover the
+        chief already decided. The old client is retired (closed after a grace)."""
         # a reroute under way holds the lock and moves the shard itself (its refresh_view calls this)
         if not self._lock.acquire(blocking=False):
             return
         try:
             for route in view.shards:
                 client = self.clients.get(route.shard)
-                if (client is None or not route.primary_address or route.primary_address == client.address
-                        or not self._left(client.address, view)):
+                if client is None or not route.primary_address or route.primary_address == client.address:
                     continue
-                log.info("shard %d: handed over to %s at %s; following the view", route.shard, route.primary_id,
-                         route.primary_address)
+                log.info("shard %d: handed over to %s at %s; following the view%s", route.shard, route.primary_id,
+                         route.primary_address, "" if self._left(client.address, view) else " (a planned move)")
                 self.clients[route.shard] = self._make(route.shard, route.primary_address)
                 self._retire(client)
                 self.moves += 1

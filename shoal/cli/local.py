@@ -203,7 +203,7 @@ class LocalCluster:
         for stale in (port_file, self.run_dir / "chief.address"):   # a run dir used before: not this chief's
             stale.unlink(missing_ok=True)
         chief = self._spawn("chief", ["chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-                                      "--mode", job.mode, "--num-shards", str(self.cfg.num_ps),
+                                      "--mode", job.mode, "--num-shards", str(job.num_shards),
                                       "--backup-workers", str(job.backup_workers),
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),

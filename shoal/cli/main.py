@@ -204,7 +204,10 @@ def cmd_local(args: argparse.Namespace) -> int:
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
-    job = _job_from(args, args.ps)
+    shards = args.num_shards if args.num_shards is not None else args.ps
+    if shards < 1:
+        raise InvalidArgument(f"--num-shards must be >= 1, got {shards}")
+    job = _job_from(args, shards)
     ckpt = _checkpoint_from(args)
     cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
                       num_workers=args.workers, job=job, compression=args.compression or "none",
@@ -335,7 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds to keep trying to join the chief before exiting with status 69 "
                                 "(default: $SHOAL_CONNECT_TIMEOUT or 30)")
         else:
-            p.add_argument("--ps", type=int, default=2, help="parameter servers (= shards)")
+            p.add_argument("--ps", type=int, default=2, help="parameter servers")
+            p.add_argument("--num-shards", type=int, default=None,
+                           help="parameter shards (default: one per server); the chief spreads them over the "
+                                "servers, at most ceil(shards / servers) primaries each")
             p.add_argument("--workers", type=int, default=2)
             p.add_argument("--summary", help="write a JSON run summary here when training ends")
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")

@@ -97,7 +97,7 @@ def _without_shards(summary: dict[str, Any]) -> dict | None:
     shard's records then come from the final checkpoint, if there is one."""
     if "tasks_total" not in summary:
         return None
-    return {"shards": [], "num_shards": summary.get("ps", 0),
+    return {"shards": [], "num_shards": summary.get("shards", summary.get("ps", 0)),
             "epochs": {"total": summary.get("epochs", 0), "batches_per_epoch": summary.get("batches_per_epoch", 0)},
             "tasks": {"done": summary.get("tasks_done", 0), "total": summary["tasks_total"]}}
 
@@ -219,7 +219,7 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def build_summary(cfg: "LocalConfig", codes: dict[str, int], seconds: float, stats: pb.JobStats | None) -> dict:
-    summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps,
+    summary: dict = {"mode": cfg.job.mode, "workers": cfg.num_workers, "ps": cfg.num_ps, "shards": cfg.job.num_shards,
                      "authenticated": auth.job_token() is not None, "tls": tls.config().enabled,
                      "compression": cfg.compression, "seconds": round(seconds, 3), "worker_exit_codes": codes,
                      "tensorboard": str(Path(cfg.tensorboard).parent) if cfg.tensorboard else ""}

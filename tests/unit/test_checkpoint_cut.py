@@ -332,3 +332,23 @@ def test_resuming_checks_the_first_workers_layout_by_name(tmp_path):
     assert s.layout is None
     s.join_worker(LAYOUT)
     assert s.layout == LAYOUT
+
+
+def test_no_planned_move_during_a_cut_and_a_cut_whose_primary_changed_is_not_committed(tmp_path, caplog):
+    j = Job(tmp_path)
+    j.push(0, 2)
+    j.push(1, 2)
+    seen = []
+    client = j.cp._connect("ps:1")
+    real_freeze = client.freeze
+
+    def freeze_then_fail_over(shard, target, timeout_s, hold_s):
+        seen.append(j.state.moves_held)
+        j.state.routing[1] = "ps-9"          # a failover (not a planned move) between the freeze and the commit
+        return real_freeze(shard, target, timeout_s, hold_s)
+
+    client.freeze = freeze_then_fail_over
+    j.cp._clients["ps:1"] = client
+    assert j.cp.maybe_checkpoint() is None
+    assert seen and all(n == 1 for n in seen) and j.state.moves_held == 0
+    assert "changed primary during the cut" in caplog.text and not list_checkpoints(tmp_path)

@@ -143,3 +143,59 @@ def test_a_promoted_backup_refuses_updates_from_the_old_primary_naming_the_new_o
     finally:
         primary_host.close()
         backup.close()
+
+
+def test_a_planned_move_that_reaches_the_backup_while_an_old_update_is_on_its_way_refuses_that_update():
+    """The view promoting this backup (a planned move: the old primary lives on) lands between the
+    sender check and the apply of the old primary's update; the new primary may already take pushes
+    then, so the update must be refused (the old primary fences) rather than applied on top."""
+    primary_host, primary = fencing_host()
+    backup = ShardHost()
+    backup.member_id = "ps-b"
+    backup.job = JobConfig(mode="async")
+    try:
+        primary.push("w", 0, ones(1))
+        data = replica_bytes(primary.export_replica())
+        backup.install_copy(pb.InstallHeader(shard=0, version=1, primary_id="ps-a", total_bytes=len(data)), data)
+        updates = []
+        primary.replicator = updates.append
+        primary.push("w", 1, ones(1))
+        copy = backup.shards[0]
+        real_apply = copy.apply_replica
+
+        def view_arrives_first(u, *args):
+            backup.set_view(frozenset({"w"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-b")])
+            return real_apply(u, *args)
+
+        copy.apply_replica = view_arrives_first
+        with pytest.raises(FailedPrecondition, match=f"{FENCED} ps-b"):
+            backup.replicate(update_header(0, "ps-a", updates[0]), updates[0])
+        assert backup.get(0).version == 1
+    finally:
+        primary_host.close()
+        backup.close()
+
+
+def test_a_shard_the_view_assigns_after_the_join_is_restored_before_an_init_can_create_it():
+    """The chief spreads the shards no server took at its join: a server named primary of one it has
+    never held loads it from the checkpoint its join named; a backup promoted without a copy is a loss
+    (--recovery decides), not restored here; with no checkpoint, workers Init as before."""
+    host = ShardHost()
+    host.member_id = "ps-a"
+    host.job = JobConfig(mode="async", num_shards=4)
+    restored = []
+    done = threading.Event()
+    host.restore_path, host.restorer = "/ckpt/7", lambda k: (restored.append(k), done.set())
+    try:
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=1, primary_id="ps-b", backup_id="ps-a")])
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=3, primary_id="ps-a"),
+                                       pb.ShardRoute(shard=1, primary_id="ps-a")])
+        assert done.wait(5) and restored == [3]
+        with pytest.raises(Unavailable, match="still being restored"):
+            host.create(3, torch.zeros(4), SGD, "fp", restore_wait_s=0.1)
+        host.restore_path = ""
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=2, primary_id="ps-a")])
+        s, created = host.create(2, torch.zeros(4), SGD, "fp")
+        assert created and restored == [3]
+    finally:
+        host.close()
