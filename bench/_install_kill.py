@@ -54,8 +54,7 @@ def kill_around_install(point: str, pids: Callable[[], dict], log: Path, running
     if point not in POINTS:
         raise ValueError(f"point {point!r}: one of {POINTS}")
     second = "ps1" if first == "ps0" else "ps0"
-    mark = log.stat().st_size if log.exists() else 0
-    since = lambda: log.read_bytes()[mark:].decode(errors="replace")  # noqa: E731 - the log after the kill
+    since = _Tail(log)                                  # the log after the first kill
     victim = pids().get(first)
     note(f"install_kill: SIGKILL {first} ({victim})" + ("" if _kill(victim) else ": already gone"))
     wait_for(f"{first}'s restart", lambda: pids().get(first) not in (None, victim), running, timeout_s)
@@ -65,5 +64,26 @@ def kill_around_install(point: str, pids: Callable[[], dict], log: Path, running
         wait_for("every copy to be reported whole", lambda: since().count("holds a whole copy") >= shards,
                  running, timeout_s)
     primary = pids().get(second)
-    note(f"install_kill: SIGKILL {second} ({primary}) {point} {first}'s copy (restarted as {pids().get(first)})"
-         + ("" if _kill(primary) else ": already gone"))
+    killed = _kill(primary)
+    # the copy of a small model takes milliseconds: "during" may land after it on a loaded host; say which
+    whole = since().count("holds a whole copy")
+    note(f"install_kill: SIGKILL {second} ({primary}) {point} {first}'s copy (restarted as {pids().get(first)}; "
+         f"{whole} of {shards} copies reported whole by then)" + ("" if killed else ": already gone"))
+
+
+class _Tail:
+    """What a growing log file holds past its size at creation (read incrementally)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.text = path, (path.stat().st_size if path.exists() else 0), ""
+
+    def __call__(self) -> str:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.text
+        self.offset += len(data)
+        self.text += data.decode(errors="replace")
+        return self.text
