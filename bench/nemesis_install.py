@@ -34,3 +34,5 @@ def apply(run, fault) -> None:
                             first=fault.target, timeout_s=run.bound_s, note=run.note)
     except NotReached as exc:
         run.note(f"install_kill: not reached ({exc})")
+        return
+    run.note(f"install_kill: done after {run.steps()} worker steps")   # mid-training, or after the workers ended
