@@ -118,7 +118,7 @@ class Run:
         self.bound_s = bound_s
         self.ckpts = work / "ckpts"
         self.run_dir = work / "run"
-        self.seen_pids: set[int] = set()
+        self.seen_pids = SeenProcesses()
         self.outside: list[subprocess.Popen] = []
         self.log: list[str] = []                     # what the nemesis did, with times
         self.corrupted: set[int] = set()             # steps of the checkpoints it damaged
@@ -300,12 +300,34 @@ class Run:
 
 # ---------------------------------------------------------------- invariants
 
-def alive(pid: int) -> bool:
+def started(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks after boot; with the pid, that names one process: pids are reused,
+    within minutes on a busy host), or None when it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+            fields = f.read().rsplit(")", 1)[-1].split()
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+class SeenProcesses:
+    """The processes a run started, each known by its pid and start time: a pid that a later process of
+    someone else's took is not this run's stray (and must not be killed as one)."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, str] = {}
+
+    def add(self, pid: int) -> None:
+        if pid not in self.started and (when := started(pid)) is not None:
+            self.started[pid] = when
+
+    def update(self, pids) -> None:
+        for pid in pids:
+            self.add(pid)
+
+    def alive(self) -> list[int]:
+        return sorted(pid for pid, when in self.started.items() if started(pid) == when)
 
 
 def checkpoint_digests(ckpt, num_shards: int, mode: str) -> dict[str, str]:
@@ -391,9 +413,9 @@ def check(run: Run, outcome: dict) -> dict:
             v["export_scores"] = False
             why.append(f"export: {exc}")
     deadline = time.monotonic() + 15
-    while any(alive(p) for p in run.seen_pids) and time.monotonic() < deadline:
+    while run.seen_pids.alive() and time.monotonic() < deadline:
         time.sleep(0.2)
-    stray = sorted(p for p in run.seen_pids if alive(p))
+    stray = run.seen_pids.alive()
     v["no_stray_process"] = not stray
     if stray:
         why.append(f"stray processes {stray}")
