@@ -3,9 +3,11 @@
 Each schedule is drawn from a seed: SIGKILL of any role (the chief included),
 SIGSTOP/SIGCONT past a lease or within it, the chief and a primary killed at the
 same moment, a checkpoint file corrupted under the job, a worker joining from
-outside and leaving again, and (with ``--disk-faults``) the checkpoint disk full
+outside and leaving again, (with ``--disk-faults``) the checkpoint disk full
 for a few seconds: the checkpoint directory is a small tmpfs of its own (root
-only) that the nemesis fills and frees again. ``shoal local`` supervises the job (restarting what it
+only) that the nemesis fills and frees again, and (with ``--install-kills``) a
+ps killed and, once restarted, the other ps, the primary of every shard, killed
+before, during or just after the restart's first copy (bench/nemesis_install.py). ``shoal local`` supervises the job (restarting what it
 kills); the nemesis only hurts it. After the run it checks, from the run's own
 records (the summary, the checkpoint directory, the process table):
 
@@ -26,6 +28,7 @@ with violations can be replayed with ``--replay '<its schedule JSON>'``.
     .venv/bin/python bench/nemesis.py --seeds 1 2 3          # fixed seeds
     .venv/bin/python bench/nemesis.py --count 50 --first 100 # 50 schedules from seeds 100..149
     .venv/bin/python bench/nemesis.py --count 10 --disk-faults  # the checkpoint disk fills, too
+    .venv/bin/python bench/nemesis.py --count 30 --first 800 --install-kills  # primaries die around a copy, too
 """
 from __future__ import annotations
 
@@ -43,12 +46,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import nemesis_install
+
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "examples" / "digits.py")
 SHOAL = [sys.executable, "-m", "shoal.cli"]
 ROLES = ("chief", "ps0", "ps1", "worker0", "worker1")
 ACTIONS = ("kill", "pause", "kill_chief_and_primary", "corrupt_checkpoint", "join_leave")
 DISK_ACTIONS = ACTIONS + ("disk_full",)        # --disk-faults (ACTIONS alone: earlier seeds replay unchanged)
+INSTALL_ACTIONS = ("install_kill",)            # --install-kills, after DISK_ACTIONS' (the same reason)
 CKPT_FS_BYTES = 64 << 20                       # the checkpoint tmpfs that disk_full fills
 LEASE_S = 1.5
 
@@ -59,6 +65,7 @@ class Fault:
     action: str             # one of ACTIONS
     target: str = ""        # a role name, where the action takes one
     seconds: float = 0.0    # how long a pause lasts / an outside worker stays
+    point: str = ""         # install_kill: when the primary dies (before/during/after the copy)
 
 
 @dataclass
@@ -76,12 +83,12 @@ class Schedule:
         return cls(d["seed"], d.get("epochs", 2), d.get("mode", "sync"), [Fault(**f) for f in d["faults"]])
 
 
-def draw(seed: int, faults: int = 2, disk: bool = False) -> Schedule:
-    """A schedule of ``faults`` faults from ``seed``: the same seed always gives the same schedule."""
+def draw(seed: int, faults: int = 2, disk: bool = False, install: bool = False) -> Schedule:
+    """A schedule of ``faults`` faults from ``seed``: the same seed (and flags) always gives the same schedule."""
     rng = random.Random(seed)
     s = Schedule(seed, epochs=rng.choice((2, 3)), mode=rng.choice(("sync", "async")))
     for _ in range(faults):
-        action = rng.choice(DISK_ACTIONS if disk else ACTIONS)
+        action = rng.choice((DISK_ACTIONS if disk else ACTIONS) + (INSTALL_ACTIONS if install else ()))
         at = round(rng.uniform(0.0, 6.0), 2)
         if action == "kill":
             s.faults.append(Fault(at, action, rng.choice(ROLES)))
@@ -94,6 +101,8 @@ def draw(seed: int, faults: int = 2, disk: bool = False) -> Schedule:
             s.faults.append(Fault(at, action))
         elif action == "disk_full":                  # frees it again well before the job ends
             s.faults.append(Fault(at, action, "", round(rng.uniform(1.0, 4.0), 2)))
+        elif action == "install_kill":
+            s.faults.append(Fault(at, action, **nemesis_install.draw(rng, s)))
         else:
             s.faults.append(Fault(at, action, "", round(rng.uniform(2.0, 6.0), 2)))
     s.faults.sort(key=lambda f: f.at)
@@ -109,12 +118,13 @@ class Run:
         self.bound_s = bound_s
         self.ckpts = work / "ckpts"
         self.run_dir = work / "run"
-        self.seen_pids: set[int] = set()
+        self.seen_pids = SeenProcesses()
         self.outside: list[subprocess.Popen] = []
         self.log: list[str] = []                     # what the nemesis did, with times
         self.corrupted: set[int] = set()             # steps of the checkpoints it damaged
         self.own_fs = False                          # the checkpoint directory is a tmpfs of this run's
         self.t0 = 0.0
+        self.proc: subprocess.Popen | None = None    # shoal local
 
     def pids(self) -> dict[str, int]:
         try:
@@ -184,6 +194,8 @@ class Run:
                 self.note("corrupt_checkpoint: no checkpoint yet")
         elif f.action == "disk_full":
             self.fill_disk(f.seconds)
+        elif f.action == "install_kill":
+            nemesis_install.apply(self, f)
         elif f.action == "join_leave":
             address = (self.run_dir / "chief.address").read_text()
             log = open(self.work / f"outside{len(self.outside)}.log", "w")
@@ -245,6 +257,7 @@ class Run:
                                  DIGITS, *self.script_args()],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.seen_pids.add(proc.pid)
+        self.proc = proc
         try:
             return self._drive(proc)
         except BaseException:                       # the nemesis itself stopped: leave nothing behind
@@ -287,12 +300,34 @@ class Run:
 
 # ---------------------------------------------------------------- invariants
 
-def alive(pid: int) -> bool:
+def started(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks after boot; with the pid, that names one process: pids are reused,
+    within minutes on a busy host), or None when it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+            fields = f.read().rsplit(")", 1)[-1].split()
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+class SeenProcesses:
+    """The processes a run started, each known by its pid and start time: a pid that a later process of
+    someone else's took is not this run's stray (and must not be killed as one)."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, str] = {}
+
+    def add(self, pid: int) -> None:
+        if pid not in self.started and (when := started(pid)) is not None:
+            self.started[pid] = when
+
+    def update(self, pids) -> None:
+        for pid in pids:
+            self.add(pid)
+
+    def alive(self) -> list[int]:
+        return sorted(pid for pid, when in self.started.items() if started(pid) == when)
 
 
 def checkpoint_digests(ckpt, num_shards: int, mode: str) -> dict[str, str]:
@@ -378,9 +413,9 @@ def check(run: Run, outcome: dict) -> dict:
             v["export_scores"] = False
             why.append(f"export: {exc}")
     deadline = time.monotonic() + 15
-    while any(alive(p) for p in run.seen_pids) and time.monotonic() < deadline:
+    while run.seen_pids.alive() and time.monotonic() < deadline:
         time.sleep(0.2)
-    stray = sorted(p for p in run.seen_pids if alive(p))
+    stray = run.seen_pids.alive()
     v["no_stray_process"] = not stray
     if stray:
         why.append(f"stray processes {stray}")
@@ -417,6 +452,8 @@ def main() -> int:
     p.add_argument("--faults", type=int, default=2, help="faults per schedule")
     p.add_argument("--disk-faults", action="store_true",
                    help="draw the checkpoint disk filling up, too (root: the checkpoints get a tmpfs of their own)")
+    p.add_argument("--install-kills", action="store_true",
+                   help="draw a primary killed before, during or just after its new backup's first copy, too")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a run may take before it counts as a hang")
     p.add_argument("--replay", help="a schedule's JSON (as printed) to run again")
     p.add_argument("--keep", action="store_true",
@@ -427,7 +464,7 @@ def main() -> int:
         schedules = [Schedule.from_json(json.loads(args.replay))]
     else:
         seeds = args.seeds if args.seeds else list(range(args.first, args.first + args.count))
-        schedules = [draw(s, args.faults, args.disk_faults) for s in seeds]
+        schedules = [draw(s, args.faults, args.disk_faults, args.install_kills) for s in seeds]
     bad = 0
     for s in schedules:
         work = Path(tempfile.mkdtemp(prefix=f"nemesis-{s.seed}-"))

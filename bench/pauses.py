@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _install_kill
+
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "examples" / "digits.py")
 CASES = ("primary-pause", "chief-pause", "install-kill-before", "install-kill-during", "install-kill-after")
@@ -51,14 +53,15 @@ def job_steps(run_dir: Path) -> int:
         ch.close()
 
 
+def not_reached(exc: _install_kill.NotReached) -> RuntimeError:
+    return RuntimeError(f"{exc}: raise --epochs" if "ended" in str(exc) else str(exc))
+
+
 def wait_for(what: str, cond, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the job ended while waiting for {what}: raise --epochs")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {timeout_s:.0f}s")
-        time.sleep(0.01)
+    try:
+        _install_kill.wait_for(what, cond, lambda: proc.poll() is None, timeout_s)
+    except _install_kill.NotReached as exc:
+        raise not_reached(exc) from None
 
 
 def longest_stall(tmp: Path, start: float, stop: float) -> float:
@@ -80,7 +83,6 @@ def fault(case: str, tmp: Path, proc: subprocess.Popen, args: argparse.Namespace
     """Injects the case's fault; returns the wall-clock window it covers."""
     run_dir, log = tmp / "run", tmp / "local.log"
     pids = lambda: json.loads((run_dir / "pids.json").read_text())  # noqa: E731
-    text = lambda: log.read_text()  # noqa: E731
     wait_for("training", lambda: job_steps(run_dir) > 30, proc)
     t0 = time.time()
     if case.endswith("-pause"):
@@ -94,17 +96,10 @@ def fault(case: str, tmp: Path, proc: subprocess.Popen, args: argparse.Namespace
             except ProcessLookupError:   # the job ended meanwhile and its supervisor killed the stopped process
                 pass
         return t0, time.time()
-    first = pids()["ps0"]
-    mark = len(text())
-    since = lambda: text()[mark:]  # noqa: E731 - the log after the first kill
-    os.kill(first, signal.SIGKILL)                      # the restarted ps0 becomes the backup
-    wait_for("ps0's restart", lambda: pids()["ps0"] != first, proc)
-    point = case.rsplit("-", 1)[1]
-    if point == "during":
-        wait_for("a copy to start", lambda: "sending it a copy" in since(), proc)
-    elif point == "after":
-        wait_for("both copies to be reported whole", lambda: since().count("holds a whole copy") >= 2, proc)
-    os.kill(pids()["ps1"], signal.SIGKILL)
+    try:   # kill ps0, then ps1 (the primary of both shards) before/during/after the restart's copy
+        _install_kill.kill_around_install(case.rsplit("-", 1)[1], pids, log, lambda: proc.poll() is None)
+    except _install_kill.NotReached as exc:
+        raise not_reached(exc) from None
     return t0, time.time() + args.lease
 
 

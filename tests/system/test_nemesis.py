@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from nemesis import LEASE_S, Fault, Schedule, run_schedule  # noqa: E402
+from nemesis import LEASE_S, Fault, Schedule, draw, run_schedule  # noqa: E402
 
 pytestmark = pytest.mark.system
 
@@ -37,3 +37,23 @@ def test_fixed_schedule_keeps_every_invariant(name, tmp_path):
     assert "SIGSTOP worker1" in applied and "SIGKILL chief and ps0" in applied, "a fault was not applied: " + detail
     at_kill = int(re.search(r"SIGKILL chief and ps0 at once \(after (\d+) worker steps\)", applied)[1])
     assert 0 < at_kill < result["steps"], f"the kill did not land mid-training: {detail}"
+
+
+# A drawn schedule (bench/nemesis.py --install-kills --seeds 103): ps0 SIGKILLed 0.47 s into training; once
+# its supervisor has restarted it and ps1 (the primary of both shards by then) has reported both copies to
+# it whole, ps1 SIGKILLed; a checkpoint file corrupted meanwhile. The complete backup must be promoted: no
+# rollback, nothing lost. (A kill "during" the copy races a copy of milliseconds; "after" waits for the chief.)
+INSTALL_SEED = 103
+
+
+def test_a_primary_killed_just_after_its_new_backups_copy_is_promoted_away_with_no_rollback(tmp_path):
+    schedule = draw(INSTALL_SEED, install=True)
+    assert [(f.action, f.point) for f in schedule.faults][0] == ("install_kill", "after")
+    result = run_schedule(schedule, tmp_path, bound_s=240)
+    detail = json.dumps({k: result[k] for k in ("violations", "why", "nemesis", "schedule", "rollbacks")})
+    assert result["ok"], detail + "\n" + (tmp_path / "local.log").read_text()[-3000:]
+    applied = " ".join(result["nemesis"])
+    assert "after ps0's copy" in applied and "2 of 2 copies reported whole by then" in applied, detail
+    at_kill = int(re.search(r"install_kill: done after (\d+) worker steps", applied)[1])
+    assert 0 < at_kill < result["steps"], f"the kill did not land mid-training: {detail}"
+    assert result["rollbacks"] == 0, detail            # a whole backup is promoted, not rolled back from
