@@ -5,7 +5,10 @@ SIGSTOP/SIGCONT past a lease or within it, the chief and a primary killed at the
 same moment, a checkpoint file corrupted under the job, a worker joining from
 outside and leaving again, and (with ``--disk-faults``) the checkpoint disk full
 for a few seconds: the checkpoint directory is a small tmpfs of its own (root
-only) that the nemesis fills and frees again. ``shoal local`` supervises the job (restarting what it
+only) that the nemesis fills and frees again. With ``--netns`` every role runs on a host of its own
+(a network namespace, root) and the network fails too: a host cut off and healed, the chief split
+from one server while the workers reach both, a slowed link (bench/nemesis_net.py); ``--model wide``
+trains a 300k-parameter model. ``shoal local`` supervises the job (restarting what it
 kills); the nemesis only hurts it. After the run it checks, from the run's own
 records (the summary, the checkpoint directory, the process table):
 
@@ -19,6 +22,7 @@ records (the summary, the checkpoint directory, the process table):
 - ``export_scores``: ``shoal export`` of it loads strictly into the model and scores the
   job's test accuracy (within 0.02);
 - ``no_stray_process``: every process the run started is gone.
+- ``no_leftover_namespace`` (``--netns``): every host it made is removed.
 
 Prints one JSON object per schedule (seed, schedule, verdicts, violations); a schedule
 with violations can be replayed with ``--replay '<its schedule JSON>'``.
@@ -26,6 +30,7 @@ with violations can be replayed with ``--replay '<its schedule JSON>'``.
     .venv/bin/python bench/nemesis.py --seeds 1 2 3          # fixed seeds
     .venv/bin/python bench/nemesis.py --count 50 --first 100 # 50 schedules from seeds 100..149
     .venv/bin/python bench/nemesis.py --count 10 --disk-faults  # the checkpoint disk fills, too
+    .venv/bin/python bench/nemesis.py --netns --count 30 --first 500   # network faults too (root)
 """
 from __future__ import annotations
 
