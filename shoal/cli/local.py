@@ -36,7 +36,7 @@ from shoal.cli.status import collect, exactly_once, replica_digests, replicas_id
 from shoal.cli.progress import Console, result_lines
 from shoal.cli.records import add_records, build_summary, read_settled, violation, write_json
 from shoal.cli import observe
-from shoal.cli.supervise import RestartPolicy
+from shoal.cli.supervise import RestartPolicy, stopped_in_journal
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class LocalCluster:
             code = child.proc.poll()
             if code is None or name in self.exits:
                 continue
-            if name == "chief" and code == EXIT_ROLLBACK:
+            if name == "chief" and (code == EXIT_ROLLBACK or stopped_in_journal(self.run_dir / "chief.db")):
                 self._rollback()
                 self.exits.clear()
                 break
