@@ -184,8 +184,7 @@ class Membership:
                 if m.lease_until < now + self.lease_seconds:
                     m.lease_until = now + self.lease_seconds
                     self._dirty[m.member_id] = None
-            log.warning("a parameter server was heard from again: the hold is over; every server has a lease "
-                        "from now")
+            log.info("a parameter server was heard from again: the hold is over; every server has a lease from now")
         return False
 
     def _bridge_gap(self, now: float) -> None:
