@@ -7,7 +7,10 @@ outside and leaving again, (with ``--disk-faults``) the checkpoint disk full
 for a few seconds: the checkpoint directory is a small tmpfs of its own (root
 only) that the nemesis fills and frees again, and (with ``--install-kills``) a
 ps killed and, once restarted, the other ps, the primary of every shard, killed
-before, during or just after the restart's first copy (bench/nemesis_install.py). ``shoal local`` supervises the job (restarting what it
+before, during or just after the restart's first copy (bench/nemesis_install.py). With ``--netns``
+every role runs on a host of its own (a network namespace, root) and the network fails too: a host
+cut off and healed, the chief split from one server while the workers reach both, a slowed link
+(bench/nemesis_net.py); ``--model wide`` trains a 300k-parameter model. ``shoal local`` supervises the job (restarting what it
 kills); the nemesis only hurts it. After the run it checks, from the run's own
 records (the summary, the checkpoint directory, the process table):
 
@@ -21,6 +24,7 @@ records (the summary, the checkpoint directory, the process table):
 - ``export_scores``: ``shoal export`` of it loads strictly into the model and scores the
   job's test accuracy (within 0.02);
 - ``no_stray_process``: every process the run started is gone.
+- ``no_leftover_namespace`` (``--netns``): every host it made is removed.
 
 Prints one JSON object per schedule (seed, schedule, verdicts, violations); a schedule
 with violations can be replayed with ``--replay '<its schedule JSON>'``.
@@ -29,6 +33,7 @@ with violations can be replayed with ``--replay '<its schedule JSON>'``.
     .venv/bin/python bench/nemesis.py --count 50 --first 100 # 50 schedules from seeds 100..149
     .venv/bin/python bench/nemesis.py --count 10 --disk-faults  # the checkpoint disk fills, too
     .venv/bin/python bench/nemesis.py --count 30 --first 800 --install-kills  # primaries die around a copy, too
+    .venv/bin/python bench/nemesis.py --netns --count 30 --first 500   # network faults too (root)
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ ROLES = ("chief", "ps0", "ps1", "worker0", "worker1")
 ACTIONS = ("kill", "pause", "kill_chief_and_primary", "corrupt_checkpoint", "join_leave")
 DISK_ACTIONS = ACTIONS + ("disk_full",)        # --disk-faults (ACTIONS alone: earlier seeds replay unchanged)
 INSTALL_ACTIONS = ("install_kill",)            # --install-kills, after DISK_ACTIONS' (the same reason)
+NET_ACTIONS = ("partition", "split_chief_ps", "slow_link")   # --netns (bench/nemesis_net.py), likewise
+MODELS = {"digits": 256, "wide": 4000}       # the example's --hidden: 19,210 parameters, or 300,010 (wide)
 CKPT_FS_BYTES = 64 << 20                       # the checkpoint tmpfs that disk_full fills
 LEASE_S = 1.5
 
@@ -74,23 +81,30 @@ class Schedule:
     epochs: int = 2
     mode: str = "sync"
     faults: list[Fault] = field(default_factory=list)
+    model: str = "digits"                    # a key of MODELS
+    netns: bool = False                      # every role on a host of its own (network namespaces)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "Schedule":
-        return cls(d["seed"], d.get("epochs", 2), d.get("mode", "sync"), [Fault(**f) for f in d["faults"]])
+        return cls(d["seed"], d.get("epochs", 2), d.get("mode", "sync"), [Fault(**f) for f in d["faults"]],
+                   d.get("model", "digits"), d.get("netns", False))
 
 
-def draw(seed: int, faults: int = 2, disk: bool = False, install: bool = False) -> Schedule:
+def draw(seed: int, faults: int = 2, disk: bool = False, net: bool = False, model: str = "digits",
+         install: bool = False) -> Schedule:
     """A schedule of ``faults`` faults from ``seed``: the same seed (and flags) always gives the same schedule."""
     rng = random.Random(seed)
-    s = Schedule(seed, epochs=rng.choice((2, 3)), mode=rng.choice(("sync", "async")))
+    s = Schedule(seed, epochs=rng.choice((2, 3)), mode=rng.choice(("sync", "async")), model=model, netns=net)
     for _ in range(faults):
-        action = rng.choice((DISK_ACTIONS if disk else ACTIONS) + (INSTALL_ACTIONS if install else ()))
+        action = rng.choice((DISK_ACTIONS if disk else ACTIONS) + (NET_ACTIONS if net else ())
+                            + (INSTALL_ACTIONS if install else ()))
         at = round(rng.uniform(0.0, 6.0), 2)
-        if action == "kill":
+        if action in NET_ACTIONS:
+            s.faults.append(Fault(at, action, *nemesis_net().draw(rng, action, LEASE_S)))
+        elif action == "kill":
             s.faults.append(Fault(at, action, rng.choice(ROLES)))
         elif action == "pause":                      # within the lease, or well past it
             s.faults.append(Fault(at, action, rng.choice(ROLES),
@@ -109,11 +123,18 @@ def draw(seed: int, faults: int = 2, disk: bool = False, install: bool = False) 
     return s
 
 
+def nemesis_net():
+    import nemesis_net as net                     # bench/: needs root and ip netns, so only with --netns
+
+    return net
+
+
 # ---------------------------------------------------------------- the run
 
 class Run:
-    def __init__(self, schedule: Schedule, work: Path, bound_s: float):
+    def __init__(self, schedule: Schedule, work: Path, bound_s: float, net=None):
         self.s = schedule
+        self.net = net                               # nemesis_net.Net: the hosts, with --netns
         self.work = work
         self.bound_s = bound_s
         self.ckpts = work / "ckpts"
@@ -152,9 +173,12 @@ class Run:
         from shoal.rpc import open_channel
 
         try:
-            ch = open_channel((self.run_dir / "chief.address").read_text())
+            address = (self.run_dir / "chief.address").read_text()
         except OSError:
             return 0
+        if self.net:
+            return self.net.steps(address)
+        ch = open_channel(address)
         try:
             return pb_grpc.ChiefStub(ch).GetJobStats(pb.Empty(), timeout=2).totals.steps
         except Exception:  # noqa: BLE001 - the chief may be down: that is the point
@@ -163,7 +187,9 @@ class Run:
             ch.close()
 
     def apply(self, f: Fault) -> None:
-        if f.action == "kill":
+        if f.action in NET_ACTIONS:
+            self.net.apply(f.action, f.target, f.seconds, self.note)
+        elif f.action == "kill":
             self.signal(f.target, signal.SIGKILL)
         elif f.action == "pause":
             self.signal(f.target, signal.SIGSTOP)
@@ -199,7 +225,7 @@ class Run:
         elif f.action == "join_leave":
             address = (self.run_dir / "chief.address").read_text()
             log = open(self.work / f"outside{len(self.outside)}.log", "w")
-            p = subprocess.Popen([*SHOAL, "worker", "--chief", address, DIGITS, *self.script_args()],
+            p = subprocess.Popen([*self.on("outside"), *SHOAL, "worker", "--chief", address, DIGITS, *self.script_args()],
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             self.outside.append(p)
             self.seen_pids.add(p.pid)
@@ -244,13 +270,18 @@ class Run:
             self.own_fs = False
 
     def script_args(self) -> list[str]:
-        return ["--epochs", str(self.s.epochs), "--step-delay", "0.01"]
+        return ["--epochs", str(self.s.epochs), "--step-delay", "0.01", "--hidden", str(MODELS[self.s.model])]
+
+    def on(self, host: str) -> list[str]:
+        """The argv prefix that runs a command on ``host`` (nothing without --netns)."""
+        return self.net.prefix(host) if self.net else []
 
     def go(self) -> dict:
         self.mount_checkpoint_fs()
         self.t0 = time.monotonic()
         log = open(self.work / "local.log", "w")
-        proc = subprocess.Popen([*SHOAL, "local", "--run-dir", str(self.run_dir), "--summary",
+        proc = subprocess.Popen([*self.on("ops"), *SHOAL, "local", *(self.net.local_args() if self.net else []),
+                                 "--run-dir", str(self.run_dir), "--summary",
                                  str(self.work / "summary.json"), "--ps", "2", "--workers", "2", "--mode", self.s.mode,
                                  "--lease-seconds", str(LEASE_S), "--restart-backoff", "0.2",
                                  "--checkpoint-dir", str(self.ckpts), "--checkpoint-interval", "10",
@@ -343,7 +374,7 @@ def checkpoint_digests(ckpt, num_shards: int, mode: str) -> dict[str, str]:
             for k in range(num_shards)}
 
 
-def export_accuracy(ckpts: Path, out: Path) -> float:
+def export_accuracy(ckpts: Path, out: Path, hidden: int = MODELS["digits"]) -> float:
     """``shoal export``'s code path on the newest valid checkpoint, loaded strictly and scored."""
     import importlib.util
 
@@ -355,7 +386,7 @@ def export_accuracy(ckpts: Path, out: Path) -> float:
     spec = importlib.util.spec_from_file_location("digits_example", DIGITS)
     digits = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(digits)
-    model = digits.build_model(256)
+    model = digits.build_model(hidden)
     model.load_state_dict(torch.load(out), strict=True)
     (_, _), (xte, yte) = digits.load(0)
     return float(digits.accuracy(model, xte, yte))
@@ -399,7 +430,7 @@ def check(run: Run, outcome: dict) -> dict:
             if not v["final_checkpoint"]:
                 why.append("the final checkpoint differs from the servers' final weights")
         try:
-            acc = export_accuracy(run.ckpts, run.work / "model.pt")
+            acc = export_accuracy(run.ckpts, run.work / "model.pt", MODELS[run.s.model])
             if v["final_checkpoint"] is None:
                 # the nemesis damaged the final checkpoint: export takes an older one, whose score
                 # nobody reported; it must still load strictly and score (export_accuracy did both)
@@ -435,11 +466,19 @@ def run_schedule(schedule: Schedule, work: Path | None = None, bound_s: float = 
     """Runs one schedule in ``work`` (a fresh temp dir by default) and returns its verdict."""
     work = Path(work or tempfile.mkdtemp(prefix=f"nemesis-{schedule.seed}-"))
     work.mkdir(parents=True, exist_ok=True)
-    run = Run(schedule, work, bound_s)
+    net = nemesis_net().Net(work) if schedule.netns else None
+    run = Run(schedule, work, bound_s, net)
     try:
         result = check(run, run.go())
     finally:
         run.unmount_checkpoint_fs()
+        left = net.close() if net else []
+    if net:                                        # the hosts are gone once the run is over
+        result["verdicts"]["no_leftover_namespace"] = not left
+        if left:
+            result["ok"] = False
+            result["violations"].append("no_leftover_namespace")
+            result["why"].append(f"namespaces left behind: {left}")
     result["work"] = str(work)
     return result
 
@@ -454,6 +493,9 @@ def main() -> int:
                    help="draw the checkpoint disk filling up, too (root: the checkpoints get a tmpfs of their own)")
     p.add_argument("--install-kills", action="store_true",
                    help="draw a primary killed before, during or just after its new backup's first copy, too")
+    p.add_argument("--netns", action="store_true",
+                   help="every role on a host of its own (network namespaces, root), and draw network faults too")
+    p.add_argument("--model", choices=sorted(MODELS), default="digits", help="wide: a 300k-parameter hidden layer")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a run may take before it counts as a hang")
     p.add_argument("--replay", help="a schedule's JSON (as printed) to run again")
     p.add_argument("--keep", action="store_true",
@@ -464,7 +506,10 @@ def main() -> int:
         schedules = [Schedule.from_json(json.loads(args.replay))]
     else:
         seeds = args.seeds if args.seeds else list(range(args.first, args.first + args.count))
-        schedules = [draw(s, args.faults, args.disk_faults, args.install_kills) for s in seeds]
+        schedules = [draw(s, args.faults, args.disk_faults, args.netns, args.model, args.install_kills)
+                     for s in seeds]
+    if any(s.netns for s in schedules) and nemesis_net().unavailable():
+        p.error(f"--netns: {nemesis_net().unavailable()}")
     bad = 0
     for s in schedules:
         work = Path(tempfile.mkdtemp(prefix=f"nemesis-{s.seed}-"))

@@ -29,6 +29,16 @@ in its socket are read. So a chief that sees a gap in its own progress
 (:meth:`Membership.bridge_pauses_over`: two lease checks further apart than
 expected) extends every live lease by the gap first: time it did not run
 counts against no one.
+
+Likewise a chief cut off from the network hears from no parameter server at
+all: every server's lease lapses at once, and expiring them declares every
+shard lost (with ``--recovery consistent``, a rollback to the checkpoint). One
+server silent is that server's fault; all of them at once is more likely the
+chief's own isolation. So when every live server's lease has lapsed, the chief
+holds off expiring servers for up to ``hold_s`` more
+(:meth:`Membership.hold_when_servers_silent`); the first server heard from
+again ends the hold, and the others get a lease from then (the chief could not
+have heard them before), after which a server still silent expires as usual.
 """
 from __future__ import annotations
 
@@ -58,6 +68,9 @@ class Membership:
         self._max_gap_s: float | None = None           # see bridge_pauses_over
         self._last_check: float | None = None
         self.pauses_bridged = 0
+        self._servers_hold_s: float | None = None      # see hold_when_servers_silent
+        self._servers_silent_since: float | None = None
+        self.isolations_held = 0
 
     def _new_id(self, role: Role) -> str:
         n = self._next_id[role]
@@ -117,9 +130,10 @@ class Membership:
         worker has one open nearly all the time: it re-opens it as soon as one is answered)."""
         now = self._clock()
         self._bridge_gap(now)
+        hold_servers = self._servers_silent(now)
         gone = []
         for m in self._members.values():
-            if not m.live:
+            if not m.live or hold_servers and m.role is Role.PS:
                 continue
             if m.lease_until < now:
                 log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
@@ -139,6 +153,39 @@ class Membership:
         if not max_gap_s > 0:
             raise InvalidArgument(f"the gap that counts as a pause must be > 0 seconds, got {max_gap_s}")
         self._max_gap_s = max_gap_s
+
+    def hold_when_servers_silent(self, hold_s: float) -> None:
+        """When every live server's lease lapses at once, wait up to ``hold_s`` more before expiring any
+        (the chief is more likely cut off itself than every server gone at the same moment)."""
+        if not hold_s > 0:
+            raise InvalidArgument(f"the hold for silent servers must be > 0 seconds, got {hold_s}")
+        self._servers_hold_s = hold_s
+
+    def _servers_silent(self, now: float) -> bool:
+        """Whether to hold off expiring servers now: all of them silent past their lease, within the hold."""
+        if self._servers_hold_s is None:
+            return False
+        servers = [m for m in self._members.values() if m.live and m.role is Role.PS]
+        if servers and all(m.lease_until < now for m in servers):
+            if self._servers_silent_since is None:
+                self._servers_silent_since = min(m.lease_until for m in servers)
+                self.isolations_held += 1
+                log.warning("no parameter server heard from for a lease: the chief is likely cut off itself; "
+                            "holding off expiring them for up to %.1fs", self._servers_hold_s)
+            if now - self._servers_silent_since <= self._servers_hold_s:
+                return True
+            self._servers_silent_since = None        # held long enough: they expire as usual
+            return False
+        if self._servers_silent_since is not None:
+            # a server was heard from again (or joined): the others get a lease from now, as they could
+            # not have been heard before
+            self._servers_silent_since = None
+            for m in servers:
+                if m.lease_until < now + self.lease_seconds:
+                    m.lease_until = now + self.lease_seconds
+                    self._dirty[m.member_id] = None
+            log.info("a parameter server was heard from again: the hold is over; every server has a lease from now")
+        return False
 
     def _bridge_gap(self, now: float) -> None:
         last, self._last_check = self._last_check, now

@@ -27,6 +27,7 @@ SERVICE = "shoal.Chief"
 # Threads start only as calls need them; this bounds the members whose watches and heartbeats are
 # served at once (above it, calls wait for a thread).
 RPC_THREADS = 4096
+SILENT_SERVERS_HOLD_LEASES = 3    # how long the chief waits (in leases) when it hears from no server at all
 
 
 class ChiefServer:
@@ -66,6 +67,8 @@ class ChiefServer:
         self._tick_s = tick_s
         # a gap in the ticker's progress this much over its period is the chief's own pause (membership.py)
         self.state.members.bridge_pauses_over(tick_s + max(2 * tick_s, self.job.lease_seconds / 4))
+        # every server silent at once: more likely the chief cut off than all of them gone (membership.py)
+        self.state.members.hold_when_servers_silent(SILENT_SERVERS_HOLD_LEASES * self.job.lease_seconds)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="chief-ticker", daemon=True)
         self.bind = bind

@@ -36,7 +36,7 @@ from shoal.cli.status import collect, exactly_once, replica_digests, replicas_id
 from shoal.cli.progress import Console, result_lines
 from shoal.cli.records import add_records, build_summary, read_settled, violation, write_json
 from shoal.cli import observe
-from shoal.cli.supervise import RestartPolicy
+from shoal.cli.supervise import RestartPolicy, stopped_in_journal
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class LocalConfig:
     secure: bool = False               # a job token in the run dir (unless one is given) for every role
     config: str = ""                   # the job file, passed to the chief (its autoscaling policy)
     autoscale: bool = False            # start and stop workers to follow the chief's desired count
+    # Where each role runs (hidden --hosts, for tests and bench/nemesis.py --netns): role name ->
+    # (argv prefix, e.g. ``ip netns exec NS``, and the address it binds); a role not named runs here on loopback
+    hosts: tuple[tuple[str, tuple[str, ...], str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_ps < 1:
@@ -173,10 +176,17 @@ class LocalCluster:
             tls.reset()
             tls.config()
 
+    def _host(self, name: str) -> tuple[list[str], str]:
+        """The argv prefix that starts ``name`` on its host, and the address it binds there."""
+        for role, prefix, address in self.cfg.hosts:
+            if role == name:
+                return list(prefix), address
+        return [], "127.0.0.1"
+
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHOAL_METRICS_DIR": str(self.run_dir / "metrics"),
                **(extra_env or {})}
-        child = Child(name, [sys.executable, "-m", "shoal.cli", *args], env, self.out)
+        child = Child(name, [*self._host(name)[0], sys.executable, "-m", "shoal.cli", *args], env, self.out)
         self.children[name] = child
         self._launch[name] = (args, extra_env)
         self._write_pids()
@@ -202,7 +212,7 @@ class LocalCluster:
         port_file = self.run_dir / "chief.port"
         for stale in (port_file, self.run_dir / "chief.address"):   # a run dir used before: not this chief's
             stale.unlink(missing_ok=True)
-        chief = self._spawn("chief", ["chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+        chief = self._spawn("chief", ["chief", "--bind", f"{self._host('chief')[1]}:0", "--port-file", str(port_file),
                                       "--mode", job.mode, "--num-shards", str(job.num_shards),
                                       "--backup-workers", str(job.backup_workers),
                                       "--staleness", str(job.staleness),
@@ -212,10 +222,10 @@ class LocalCluster:
                                       "--journal", str(self._new_journal()), *self._checkpoint_args(),
                                       *(["--config", self.cfg.config] if self.cfg.config else []),
                                       *observe.local_role_flags(self.cfg, "chief", 0)])
-        self.chief_address = f"127.0.0.1:{self._wait_port(port_file, chief)}"
+        self.chief_address = f"{self._host('chief')[1]}:{self._wait_port(port_file, chief)}"
         (self.run_dir / "chief.address").write_text(self.chief_address)
         for k in range(self.cfg.num_ps):
-            self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", "127.0.0.1:0",
+            self._spawn(f"ps{k}", ["ps", "--chief", self.chief_address, "--bind", f"{self._host(f'ps{k}')[1]}:0",
                                    *observe.local_role_flags(self.cfg, "ps", k)])
         for k in range(self.cfg.num_workers):
             self.start_worker(f"worker{k}")
@@ -265,7 +275,7 @@ class LocalCluster:
             code = child.proc.poll()
             if code is None or name in self.exits:
                 continue
-            if name == "chief" and code == EXIT_ROLLBACK:
+            if name == "chief" and (code == EXIT_ROLLBACK or stopped_in_journal(self.run_dir / "chief.db")):
                 self._rollback()
                 self.exits.clear()
                 break
@@ -295,8 +305,7 @@ class LocalCluster:
                 sorted(n for n in self._launch if n.startswith("worker")):
             args, env = self._launch[name]
             if name == "chief":
-                port = self.chief_address.rsplit(":", 1)[1]
-                args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
+                args = self._same_port(args)
             self._spawn(name, args, env)
 
     def _on_failure(self, name: str, child: Child, code: int, now: float, exits: dict[str, int]) -> None:
@@ -317,11 +326,15 @@ class LocalCluster:
             log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", name, code, d.why)
             self._gone.add(name)
 
+    def _same_port(self, chief_args: list[str]) -> list[str]:
+        """The chief's arguments with the port it was given first, so a restart serves the same address."""
+        host, port = self.chief_address.rsplit(":", 1)
+        return [a if a != f"{host}:0" else f"{host}:{port}" for a in chief_args]
+
     def _restart(self, name: str) -> None:
         args, env = self._launch[name]
         if name == "chief":            # same port: every member still knows the old address
-            port = self.chief_address.rsplit(":", 1)[1]
-            args = [a if a != "127.0.0.1:0" else f"127.0.0.1:{port}" for a in args]
+            args = self._same_port(args)
         self.policy.restarted(name)
         self._spawn(name, args, env)
 

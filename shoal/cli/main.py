@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import runpy
@@ -217,11 +218,22 @@ def cmd_local(args: argparse.Namespace) -> int:
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
                       keep_checkpoints=args.keep_checkpoints, config=args.config or "", autoscale=args.autoscale,
                       tensorboard=observe.tensorboard_dir(args), metrics_port=observe.metrics_port(args),
-                      alerts=observe.alert_config(args), secure=args.secure)
+                      alerts=observe.alert_config(args), secure=args.secure, hosts=_hosts_from(args.hosts))
     if args.autoscale and not (args.config and load_job(args.config).section("autoscaling")):
         raise InvalidArgument("--autoscale follows the job file's autoscaling section: give --config job.yaml "
                               "with autoscaling: {min_workers, max_workers, target}")
     return run_local(cfg)
+
+
+def _hosts_from(path: str | None) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    """``shoal local --hosts FILE`` (hidden): a JSON object, role -> {"prefix": argv, "address": bind address}."""
+    if not path:
+        return ()
+    try:
+        found = json.loads(Path(path).read_text())
+        return tuple((role, tuple(h.get("prefix", ())), h.get("address", "127.0.0.1")) for role, h in found.items())
+    except (OSError, ValueError, AttributeError) as exc:
+        raise InvalidArgument(f"--hosts {path}: {exc}") from exc
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -357,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "from outside to leave before stopping the servers")
             p.add_argument("--secure", action="store_true",
                            help="generate a job token in the run dir and give it to every role")
+            p.add_argument("--hosts", help=argparse.SUPPRESS)   # role -> argv prefix and address (JSON file)
             _job_args(p)
             _checkpoint_args(p)
         security.add_token_arg(p)

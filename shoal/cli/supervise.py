@@ -14,6 +14,7 @@ without processes; :class:`shoal.cli.local.LocalCluster` applies them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from shoal.errors import EXIT_REFUSED, EXIT_USAGE
 
@@ -62,3 +63,24 @@ class RestartPolicy:
     def restarted(self, name: str) -> int:
         self.restarts[name] = self.restarts.get(name, 0) + 1
         return self.restarts[name]
+
+
+def stopped_in_journal(path: Path) -> bool:
+    """Whether a dead chief's journal says it had stopped the job (a shard lost every copy). Killed after
+    it stopped the job and before it exited to say so (EXIT_ROLLBACK), it left every other role on the
+    state the job lost: restarting the chief alone would carry on with them (bench/nemesis.py --netns,
+    seed 703), so the supervisor rolls back instead."""
+    from shoal.chief.journal import Journal, JournalError
+
+    if not path.exists():
+        return False
+    try:
+        journal = Journal(path)
+    except JournalError:
+        return False                      # the restarted chief says why
+    try:
+        return bool((journal.load() or {}).get("stopped"))
+    except JournalError:
+        return False
+    finally:
+        journal.close()

@@ -74,6 +74,20 @@ class Hosts:
                             "rate", rate, "burst", "256kb", "latency", "10ms"], capture_output=True, text=True,
                            check=True)
 
+    def unshape(self, name: str) -> None:
+        """Takes the rate limit of :meth:`shape` off the host's link again (both ends)."""
+        i = list(self.addresses).index(name) + 1
+        for ns, dev in ((self.ns(name), f"v{self.tag}{i}a"), (self.hub, f"v{self.tag}{i}b")):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                           capture_output=True, text=True)
+
+    def block(self, a: str, b: str, on: bool = True) -> None:
+        """Drops every packet between hosts ``a`` and ``b`` (both ways; blackhole routes in their
+        namespaces, so every other pair still talks), or lets them through again."""
+        for src, dst in ((a, b), (b, a)):
+            _ip("-n", self.ns(src), "route", "add" if on else "del", "blackhole", f"{self.addresses[dst]}/32",
+                check=on)
+
     def interface(self, name: str) -> str:
         """The host's network interface, inside its namespace."""
         return f"v{self.tag}{list(self.addresses).index(name) + 1}a"
