@@ -190,6 +190,14 @@ def test_messages_name_the_expected_counts(tmp_path):
         pending.commit(LAYOUT, 3, {})
 
 
+@pytest.mark.parametrize("shard,start,stop", [(-1, 0, N), (0, -2, 1)])
+def test_a_negative_shard_or_start_is_refused(tmp_path, shard, start, stop):
+    pending = CheckpointWriter(tmp_path).begin(1)
+    with pytest.raises(InvalidArgument, match="bad range"):
+        pending.write_shard(ShardState(shard, start, stop, torch.zeros(stop - start), "sgd", {"lr": 0.1}, {}))
+    assert list(pending.tmp.iterdir()) == []
+
+
 def test_a_shard_without_a_version_is_recorded_as_version_zero(tmp_path):
     pending = CheckpointWriter(tmp_path).begin(1)
     pending.write_shard(state())
