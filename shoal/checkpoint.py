@@ -189,7 +189,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     entries = _shard_table(path, manifest, layout)
     for entry in entries:
         _verify_file(path, entry)
-    return Checkpoint(path, {**manifest, "shards": entries}, layout)
+    try:
+        return Checkpoint(path, {**manifest, "shards": entries}, layout)
+    except (TypeError, ValueError) as exc:     # e.g. a step or creation time that is not a number
+        raise FailedPrecondition(f"checkpoint {path}: bad field in {MANIFEST}: {exc}") from exc
 
 
 def _shard_table(path: Path, manifest: dict[str, Any], layout: ModelLayout) -> list[dict[str, Any]]:

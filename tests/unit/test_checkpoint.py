@@ -299,3 +299,20 @@ def test_uneven_scalar_across_shards_warns_and_takes_majority(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         _, _, _, scalars = load_latest(tmp_path).flat_optimizer()
     assert scalars == {"step": 2.0} and "'step' differs" in caplog.text
+
+
+@pytest.mark.parametrize("field,value", [("created", "yesterday"), ("step", "two")])
+def test_a_manifest_field_that_is_not_a_number_is_skipped_not_fatal(tmp_path, caplog, field, value):
+    t = Trained(SGD, 1, steps=2)
+    save(tmp_path, t, 1)
+    t.step()
+    bad = save(tmp_path, t, 2)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest[field] = value
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint"):
+        ckpt = load_latest(tmp_path)
+    assert ckpt is not None and ckpt.step == 1
+    assert "ckpt-000000000002" in caplog.text
+    with pytest.raises(FailedPrecondition, match="manifest.json"):
+        open_checkpoint(bad)

@@ -107,6 +107,19 @@ def test_a_checkpoint_whose_manifest_does_not_parse_fully_is_invalid_not_fatal(t
     assert ck(1) in caplog.text and "not valid" in caplog.text
 
 
+def test_a_validator_that_raises_value_error_marks_the_checkpoint_invalid_not_fatal(tmp_path, caplog):
+    commit(CheckpointWriter(tmp_path), 1)
+
+    def validate(path):
+        if path.name == ck(1):
+            raise ValueError("not a number")
+
+    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint_store"):
+        commit(CheckpointWriter(tmp_path, keep=2, validate=validate), 2)
+    assert names(tmp_path) == [ck(2), ck(1)]
+    assert ck(1) in caplog.text and "not valid" in caplog.text
+
+
 # ---------------------------------------------------------------- begin / commit / abort
 
 def test_step_zero_is_a_step_and_negative_steps_are_refused(tmp_path):
