@@ -1,9 +1,10 @@
 """A sync push a round took, that its worker did not wait for, survives the primary that held it.
 
-nemesis --netns seed 519: worker-1 pushed batch 0/160 again (a shard had dropped it the first time);
-shard 0 had it already, shard 1's primary put it in its open round, so the worker moved on without
-waiting for that round. The primary was cut off, the round never closed, and the promoted backup
-closed the next round with the worker's next batch instead: shard 1 ended one batch short.
+nemesis --netns seed 519: worker-0 trained batch 0/160 again (task 34: shard 1 had dropped it the
+first time, worker-1's push); shard 0 had it already, shard 1's primary (ps1) put it in its open
+round, so the worker moved on without waiting for that round. ps1 was cut off and lost its lease,
+the round never closed, and the promoted backup closed its next round with the worker's next batch
+instead: shard 1 ended one batch short, at the same version as shard 0.
 
 Pure state: the shards are real :class:`Shard` objects behind stand-in clients; the worker's half
 is :class:`ShardExchange` on a minimal host object.
