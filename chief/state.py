@@ -142,9 +142,17 @@ class ChiefState:
                   progress: Mapping[int, int] | None = None, step_seconds: float = 0.0,
                   backups_complete: Mapping[int, str] | None = None) -> bool:
         """Renews the lease; records task progress (for resuming), the step time (for stragglers) and, from
-        a primary, which of its shards' backups hold a whole copy (only those are promoted)."""
+        a primary, which of its shards' backups hold a whole copy (only those are promoted). A primary
+        reports them all each time: a backup it no longer names is no longer counted whole (its copy
+        is being sent again), so a failover then goes by --recovery instead of promoting it."""
         if not self.members.heartbeat(member_id, counters):
             return False
+        if backups_complete is not None:
+            for k in [k for k, b in self.complete.items()
+                      if self.routing.get(k) == member_id and backups_complete.get(k) != b]:
+                log.warning("shard %d: backup %s no longer holds a whole copy (its primary %s says so)", k,
+                            self.complete.pop(k), member_id)
+                self._changed(f"shard {k}'s backup is not complete")
         for k, backup in (backups_complete or {}).items():
             if self.routing.get(k) == member_id and self.backups.get(k) == backup and self.complete.get(k) != backup:
                 self.complete[k] = backup

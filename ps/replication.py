@@ -239,9 +239,10 @@ class Replicator:
 
     def __call__(self, u: Update) -> None:
         """Returns once the backup holds ``u`` (or the view names none, or a copy for a new one is under
-        way and will carry it); raises if the update must not be applied: the backup refused it (another
+        way and will carry it: the chief does not count that one whole yet; a backup counted whole that
+        lost its copy gets a fresh one first, see :meth:`_recopy`); raises if the update must not be applied: the backup refused it (another
         ps is primary) or the replicator was closed (the view dropped this copy)."""
-        warned = False
+        warned, recopy = False, False
         while True:
             with self._lock:
                 if self._stop.is_set():             # closed: this copy is being dropped, not retargeted
@@ -254,6 +255,9 @@ class Replicator:
                     self._pending.append(u)
                     return
             try:
+                if recopy:
+                    self._recopy(stubs, u.version)
+                    recopy = False
                 self._send(stubs, u)
                 return
             except ValueError:                      # the view replaced the backup and closed its channel
@@ -269,8 +273,8 @@ class Replicator:
                     raise Unavailable(f"backup refused update {u.version}: {details}"
                                       + (f" ({HANDED_OVER})" if moved else "")) from None
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and NEEDS_COPY in details:
-                    self._restart_install(gen)
-                    return
+                    recopy = True                   # then ``u`` again: acknowledged only once the backup has it
+                    continue
                 if not warned:
                     log.warning("shard %d: backup %s unreachable (%s); holding update %d until it answers or "
                                 "the chief replaces it", self.shard_id, self.backup, exc.code().name, u.version)
@@ -308,14 +312,25 @@ class Replicator:
             self._tcp, self._negotiated = tcp, True
             return tcp
 
-    def _restart_install(self, gen: int) -> None:
-        with self._lock:
-            if gen != self._generation:
-                return
-            self._generation += 1
-            self._state, self._pending = "installing", []
-            gen = self._generation
-        threading.Thread(target=self._install, args=(gen,), name=f"install-{self.shard_id}", daemon=True).start()
+    def _recopy(self, stubs: DataStubs, next_version: int) -> None:
+        """A backup in step lost its copy (it restarted or re-joined and the view still names it): a fresh
+        one goes now, in the caller's thread with the shard's lock held, and update ``next_version`` follows.
+        A copy in the background would let this primary acknowledge updates the backup does not hold while
+        the chief still counts that backup whole and would promote it."""
+        shard = self._find_shard()
+        if shard is None:
+            raise Unavailable(f"shard {self.shard_id}: update {next_version} not applied: this copy is no "
+                              f"longer the primary")
+        t0 = time.perf_counter()
+        with shard.exclusive():
+            replica = shard.export_replica()
+        version = replica["state"].version
+        data = replica_bytes(replica)
+        stubs.install(install_frames(self.shard_id, self._member_id(), version, shard.fingerprint, data,
+                                     self._chunk_bytes), timeout=max(self._timeout_s, 120.0))
+        log.warning("shard %d: backup %s had lost its copy; sent it a fresh one at version %d (%d bytes in "
+                    "%.2fs) before update %d", self.shard_id, self.backup, version, len(data),
+                    time.perf_counter() - t0, next_version)
 
     # ------------------------------------------------------------ a full copy for a new backup
 

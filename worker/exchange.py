@@ -51,6 +51,17 @@ class SentPush:
     key: str
     samples: int
     extra: dict
+    group: tuple = ()          # the batches it names (to hand back if a new primary drops it)
+
+
+@dataclass
+class OpenPush:
+    """A sync push a round took that this worker did not wait for (another shard had its batch already):
+    until that round closes it lives only in the primary that took it (nemesis --netns seed 519)."""
+
+    sent: SentPush
+    client: object             # the primary's client that took it
+    at: int                    # that primary's version then: its round closes at ``at + 1``
 
 
 class ShardExchange:
@@ -79,6 +90,10 @@ class ShardExchange:
         replies = {k: f.result() for k, f in futures.items()}
         self.clock.pushed_at = time.perf_counter()
         in_round = all(r.accepted and not r.duplicate for r in replies.values())
+        if not in_round:
+            for k, r in replies.items():
+                if r.accepted and not r.duplicate and k in self._sent:
+                    self._open_pushes.setdefault(k, []).append(OpenPush(self._sent[k], self._clients[k], r.version))
         list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
                                                        resend=True), list(self._clients)))
         return replies
@@ -143,9 +158,44 @@ class ShardExchange:
         extra = accumulate.header_fields(group)
         if hparams:
             extra["hparams"] = hparams
-        sent = SentPush(chunks, version, f"{key_base}/{shard}", samples, extra)
+        sent = SentPush(chunks, version, f"{key_base}/{shard}", samples, extra, group)
         self._sent[shard] = sent
+        self._resend_open(shard)
         return self._send(shard, sent)
+
+    def _resend_open(self, shard: int) -> None:
+        """Sends again the pushes of :class:`OpenPush` whose primary the shard has left since: the open round
+        that held them went with it. The key keeps one that was applied from applying twice; one the new
+        primary drops (its round closed without it) is handed back to the chief to be trained again."""
+        pending = self._open_pushes.pop(shard, [])
+        keep = []
+        for p in pending:
+            if p.client is self._clients[shard]:
+                keep.append(p)
+                continue
+            reply = self._send(shard, p.sent)
+            if reply.accepted and not reply.duplicate:
+                keep.append(OpenPush(p.sent, self._clients[shard], reply.version))
+                continue
+            back = accumulate.to_hand_back(p.sent.group, [reply])
+            if back and self._feed is not None:
+                log.info("shard %d: a push its old primary took in a round that never closed was dropped by "
+                         "the new one; handing back %d batch(es)", shard, len(back))
+                for b in back:
+                    self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
+        if keep:
+            self._open_pushes[shard] = keep + self._open_pushes.get(shard, [])
+
+    def _confirm_open(self, shard: int, version: int) -> None:
+        """The shard's primary is at ``version``: the rounds that closed there applied the pushes they held."""
+        pending = self._open_pushes.get(shard)
+        if pending:
+            client = self._clients[shard]
+            left = [p for p in pending if not (p.client is client and version > p.at)]
+            if left:
+                self._open_pushes[shard] = left
+            else:
+                self._open_pushes.pop(shard, None)
 
     def _send(self, shard: int, p: "SentPush") -> pb.PushReply:
         """Sends (or, after a failover, re-sends) one encoded push; the key keeps it from applying twice."""
@@ -171,7 +221,8 @@ class ShardExchange:
                 if not is_failover(exc):
                     raise
                 self.routes.reroute(shard, client, exc)
-        self._sent_to[shard] = client
+        if p is self._sent.get(shard):   # this step's push (not an older open one sent again): who holds it
+            self._sent_to[shard] = client
         self._count(pushed=sent)
         return reply
 
@@ -200,6 +251,7 @@ class ShardExchange:
         buf = self.staging.weights_target(shard)
         since = self._held.pop(shard, None) if self.delta_pulls else None
         while True:
+            self._resend_open(shard)
             client = self._clients[shard]
             sent = self._sent.get(shard)
             if resend and sent is not None and self._sent_to.get(shard) not in (None, client):
@@ -211,6 +263,10 @@ class ShardExchange:
                 continue                          # pull from the client that took it
             try:
                 version, got = client.pull(buf, min_version, self.pull_codec, since=since)
+                if client is not self._clients[shard] and self._open_pushes.get(shard):
+                    since = None                  # moved while pulling: the open pushes go there first
+                    continue
+                self._confirm_open(shard, version)
                 break
             except grpc.RpcError as exc:
                 since = None                      # buf may be partly written: the next try pulls it whole

@@ -152,6 +152,7 @@ class Trainer(ShardExchange):
         self._step_versions = dict(self.versions)
         self._sent: dict[int, SentPush] = {}
         self._sent_to: dict[int, object] = {}     # shard -> the client that answered its latest push
+        self._open_pushes: dict[int, list] = {}     # shard -> OpenPush (worker/exchange.py)
         self._readiness = GradReadiness(self._params, self._grad_views, self.param_layout, self.plan,
                                         self._launch_push) if overlap else None
         self._started = False

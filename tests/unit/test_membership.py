@@ -339,3 +339,24 @@ def test_a_new_backup_starts_incomplete_until_its_primary_reports_it(clock):
     p2 = s.join_ps("h:3", member_id=p1.member_id)[0]                     # same id back, as a new backup
     assert [r.backup_complete for r in s.view().routes if r.shard == 0] == [False]
     assert ChiefState.from_dict(s.to_dict(), clock).complete == s.complete
+
+
+def test_a_backup_its_primary_no_longer_reports_whole_is_not_promoted(clock):
+    """nemesis --netns seed 519: the backup's copy was counted whole once, then had to be sent again."""
+    s = ChiefState(JobConfig(num_shards=2, lease_seconds=2.0, recovery="consistent"), clock)
+    p0, p1 = s.join_ps("h:1")[0], s.join_ps("h:2")[0]
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})
+    assert [r.backup_complete for r in s.view().routes if r.shard == 0] == [True]
+    e = s.epoch
+    s.heartbeat(p0.member_id, backups_complete={})                       # p1's copy is being sent again
+    assert s.epoch == e + 1 and [r.backup_complete for r in s.view().routes if r.shard == 0] == [False]
+    s.heartbeat(p1.member_id, backups_complete={})                       # p1 is not shard 0's primary
+    s.heartbeat(p0.member_id, backups_complete={0: p1.member_id})         # whole again: promotable again
+    s.heartbeat(p1.member_id, backups_complete={})
+    assert s.complete == {0: p1.member_id}
+    s.heartbeat(p0.member_id, backups_complete={})
+    clock.advance(1.5)
+    s.heartbeat(p1.member_id)
+    clock.advance(1.0)
+    assert [m.member_id for m in s.tick()] == [p0.member_id]
+    assert s.stopped and s.lost == [0] and 0 not in s.routing              # rolled back, not promoted
