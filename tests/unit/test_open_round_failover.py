@@ -60,6 +60,7 @@ class Worker(ShardExchange):
 
     def __init__(self, clients):
         self._clients, self._sent, self._open_pushes, self._held, self.versions = clients, {}, {}, {}, {}
+        self._sent_to = {}                  # shard -> the client that answered its latest push
         self.dropped = []
         self._feed = SimpleNamespace(drop=lambda *a: self.dropped.append(a))
         self.chief, self.clock = SimpleNamespace(view=None), SimpleNamespace(pushed_at=0.0)
