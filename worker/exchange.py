@@ -256,7 +256,10 @@ class ShardExchange:
             sent = self._sent.get(shard)
             if resend and sent is not None and self._sent_to.get(shard) not in (None, client):
                 # the view moved the shard after its push was answered (a planned move, followed without a
-                # failed call): the new primary may not have it, and a sync round there would wait for it
+                # failed call): the new primary may not have it, and a sync round there would wait for it.
+                # Once per move, whatever it answers: a shard that came back empty (--recovery fast) refuses
+                # it for good, and sending it again would loop here for ever (tests/system/test_recovery.py)
+                self._sent_to[shard] = client
                 reply = self._send(shard, sent)
                 if not reply.accepted and not reply.duplicate:
                     min_version = min(min_version, reply.version)
