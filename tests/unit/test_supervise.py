@@ -118,63 +118,54 @@ def test_a_chief_that_dies_as_the_workers_end_is_restarted_before_the_records_ar
     assert sorted(spawned) == ["chief", "ps0"]            # both back before the job's records are read
 
 
+def cluster_whose_journal_says(tmp_path, state: dict, event: str, respawn_code=None):
+    """A LocalCluster (no processes) over a chief journal holding ``state``; returns it and the names
+    it spawns again (each as a FakeChild exiting with ``respawn_code``, workers with 0)."""
+    from shoal.chief.journal import Journal
+    from shoal.cli.local import LocalCluster, LocalConfig
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cluster = LocalCluster(LocalConfig(script=str(script), restart_backoff_s=0.05, run_dir=str(tmp_path / "run"),
+                                       checkpoint_dir=str(tmp_path / "ckpt")), out=sys.stdout)
+    journal = Journal(tmp_path / "run" / "chief.db")
+    journal.write(state, event)
+    journal.close()
+    spawned = []
+
+    def spawn(name, args, extra_env=None):
+        spawned.append(name)
+        cluster.children[name] = FakeChild(name, 0 if name.startswith("worker") else respawn_code)
+        return cluster.children[name]
+
+    cluster._spawn = spawn
+    cluster.chief_address = "127.0.0.1:1"
+    return cluster, spawned
+
+
+def run_children(cluster, codes) -> dict:
+    for name, code in codes:
+        cluster.children[name] = FakeChild(name, code)
+        cluster._launch[name] = ([], None)
+    return cluster.wait_workers()
+
+
 @pytest.mark.timeout(20)
 def test_a_chief_killed_after_it_stopped_the_job_rolls_every_role_back(tmp_path):
     """Found by bench/nemesis.py --netns (seed 703): the chief stopped the job (a shard lost every copy)
     and was SIGKILLed before it exited to say so. Restarted alone, it rolled back in place from its
     journal while the servers and workers of the lost state carried on: the workers' task tokens did
     not verify at the old servers and they crash-looped until the run failed."""
-    from shoal.chief.journal import Journal
-    from shoal.cli.local import LocalCluster, LocalConfig
-
-    script = tmp_path / "train.py"
-    script.write_text("")
-    cluster = LocalCluster(LocalConfig(script=str(script), restart_backoff_s=0.05, run_dir=str(tmp_path / "run"),
-                                       checkpoint_dir=str(tmp_path / "ckpt")), out=sys.stdout)
-    journal = Journal(tmp_path / "run" / "chief.db")
-    journal.write({"stopped": "shard 0 lost every copy that holds all its updates"}, "stopped")
-    journal.close()
-    spawned = []
-
-    def spawn(name, args, extra_env=None):
-        spawned.append(name)
-        cluster.children[name] = FakeChild(name, 0 if name.startswith("worker") else None)
-        return cluster.children[name]
-
-    cluster._spawn = spawn
-    cluster.chief_address = "127.0.0.1:1"
-    for name, code in (("chief", -signal.SIGKILL), ("ps0", None), ("ps1", None), ("worker0", None),
-                       ("worker1", None)):
-        cluster.children[name] = FakeChild(name, code)
-        cluster._launch[name] = ([], None)
-    assert cluster.wait_workers() == {"worker0": 0, "worker1": 0}
+    cluster, spawned = cluster_whose_journal_says(
+        tmp_path, {"stopped": "shard 0 lost every copy that holds all its updates"}, "stopped")
+    codes = (("chief", -signal.SIGKILL), ("ps0", None), ("ps1", None), ("worker0", None), ("worker1", None))
+    assert run_children(cluster, codes) == {"worker0": 0, "worker1": 0}
     assert cluster.rollbacks == 1
     assert sorted(spawned) == ["chief", "ps0", "ps1", "worker0", "worker1"]    # every role, not the chief alone
 
 
 @pytest.mark.timeout(20)
 def test_a_chief_killed_on_a_running_job_is_restarted_alone(tmp_path):
-    from shoal.chief.journal import Journal
-    from shoal.cli.local import LocalCluster, LocalConfig
-
-    script = tmp_path / "train.py"
-    script.write_text("")
-    cluster = LocalCluster(LocalConfig(script=str(script), restart_backoff_s=0.05, run_dir=str(tmp_path / "run"),
-                                       checkpoint_dir=str(tmp_path / "ckpt")), out=sys.stdout)
-    journal = Journal(tmp_path / "run" / "chief.db")
-    journal.write({"stopped": ""}, "running")
-    journal.close()
-    spawned = []
-
-    def spawn(name, args, extra_env=None):
-        spawned.append(name)
-        cluster.children[name] = FakeChild(name)
-        return cluster.children[name]
-
-    cluster._spawn = spawn
-    cluster.chief_address = "127.0.0.1:1"
-    for name, code in (("chief", -signal.SIGKILL), ("ps0", None), ("worker0", 0)):
-        cluster.children[name] = FakeChild(name, code)
-        cluster._launch[name] = ([], None)
-    assert cluster.wait_workers() == {"worker0": 0}
+    cluster, spawned = cluster_whose_journal_says(tmp_path, {"stopped": ""}, "running", respawn_code=0)
+    assert run_children(cluster, (("chief", -signal.SIGKILL), ("ps0", None), ("worker0", 0))) == {"worker0": 0}
     assert spawned == ["chief"] and cluster.rollbacks == 0
