@@ -5,17 +5,28 @@ shard, all of which the other ps now holds as primary. Then SIGKILL that other p
 
 - ``before``: as soon as the restart is in pids.json (it has not joined yet, so no copy has started);
 - ``during``: once its primary logs ``sending it a copy`` (after the first kill);
-- ``after``: once the chief has logged ``holds a whole copy`` for every shard (after the first kill).
+- ``after``: once the chief has logged ``holds a whole copy`` for every shard (after the first kill), and
+  has not since logged ``no longer holds a whole copy`` for it.
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 POINTS = ("before", "during", "after")
+
+
+_WHOLE = re.compile(r"shard (\d+): backup \S+ (no longer )?holds a whole copy")
+
+
+def whole_shards(text: str) -> int:
+    """How many shards the chief's log last called whole (a later ``no longer holds`` line undoes one)."""
+    latest = {m[1]: not m[2] for m in _WHOLE.finditer(text)}
+    return sum(latest.values())
 
 
 class NotReached(RuntimeError):
@@ -61,12 +72,12 @@ def kill_around_install(point: str, pids: Callable[[], dict], log: Path, running
     if point == "during":
         wait_for("a copy to start", lambda: "sending it a copy" in since(), running, timeout_s)
     elif point == "after":
-        wait_for("every copy to be reported whole", lambda: since().count("holds a whole copy") >= shards,
+        wait_for("every copy to be reported whole", lambda: whole_shards(since()) >= shards,
                  running, timeout_s)
     primary = pids().get(second)
     killed = _kill(primary)
     # the copy of a small model takes milliseconds: "during" may land after it on a loaded host; say which
-    whole = since().count("holds a whole copy")
+    whole = whole_shards(since())
     note(f"install_kill: SIGKILL {second} ({primary}) {point} {first}'s copy (restarted as {pids().get(first)}; "
          f"{whole} of {shards} copies reported whole by then)" + ("" if killed else ": already gone"))
 

@@ -42,7 +42,8 @@ def test_the_primary_dies_only_once_every_copy_after_the_first_kill_is_reported_
         first.wait()
         roles["ps0"] = restart.pid
         for line in ("shard 0: new backup ps-2; sending it a copy", "shard 0: backup ps-2 holds a whole copy",
-                     "shard 1: backup ps-2 holds a whole copy"):
+                     "shard 0: backup ps-2 no longer holds a whole copy (its primary ps-1 says so)",
+                     "shard 1: backup ps-2 holds a whole copy", "shard 0: backup ps-2 holds a whole copy"):
             time.sleep(0.2)
             seen.append((line, second.poll() is None))
             with open(log, "a") as f:
@@ -55,8 +56,17 @@ def test_the_primary_dies_only_once_every_copy_after_the_first_kill_is_reported_
                                       note=notes.append)
     t.join()
     assert second.wait(5) == -9 and first.returncode == -9 and restart.poll() is None
-    assert [alive for _, alive in seen] == [True, True, True]   # not on the old lines, nor after one copy
+    assert [alive for _, alive in seen] == [True] * 5   # not on the old lines, one copy, nor one that went bad
     assert "2 of 2 copies reported whole by then" in notes[-1]
+
+
+def test_a_copy_no_longer_whole_is_not_counted_until_it_is_whole_again():
+    whole = _install_kill.whole_shards
+    assert whole("shard 0: backup ps-1 holds a whole copy (its primary ps-0 says so)") == 1
+    assert whole("shard 0: backup ps-1 holds a whole copy\nshard 0: backup ps-1 no longer holds a whole copy\n"
+                 "shard 1: backup ps-0 holds a whole copy") == 1
+    assert whole("shard 3: backup ps-1 holds a whole copy\nshard 3: backup ps-2 holds a whole copy") == 1
+    assert whole("shard 12: backup ps-1 no longer holds a whole copy") == 0
 
 
 def test_before_kills_the_primary_as_soon_as_the_restart_exists_and_a_job_that_ends_spares_it(tmp_path, procs):
