@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import NOT_PRIMARY, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from shoal.errors import HANDED_OVER, NOT_PRIMARY, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import rule_for
 from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, replica_from_bytes
@@ -121,6 +121,9 @@ class ShardHost:
         if s is None:
             if shard in self.assigned:
                 raise FailedPrecondition(f"shard {shard} is not initialised yet")
+            if self.leaving:            # its calls are answered until the workers follow the view
+                raise FailedPrecondition(f"this ps is {NOT_PRIMARY} of shard {shard}: it is leaving the job and "
+                                         f"{HANDED_OVER}")
             raise NotFound(f"this parameter server does not hold shard {shard} (holds {sorted(self.assigned)})")
         if s.fenced:
             raise FailedPrecondition(f"shard {shard} here is {NOT_PRIMARY} any more: {s.fenced}")
@@ -280,8 +283,9 @@ class ShardHost:
         The flag goes up first and the replicator closes next, so an update on its way to the backup
         raises instead of being applied here (a closed replicator never reads as "no backup")."""
         s = self.shards.pop(shard, None)
-        if s is not None:
-            s.fenced = s.fenced or why
+        if s is not None:   # a worker told the copy went to the backup it kept in step follows without alarm
+            handed = planned and self.roles.get(shard) == PRIMARY
+            s.fenced = s.fenced or (f"{why} ({HANDED_OVER})" if handed else why)
         r = self.replicators.pop(shard, None)
         if r is not None:
             r.close()

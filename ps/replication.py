@@ -31,11 +31,11 @@ import grpc
 import torch
 
 from shoal import frames, tcp_client
-from shoal.errors import Unavailable
+from shoal.errors import HANDED_OVER, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
-from shoal.ps.shard import HANDED_OVER, Shard
+from shoal.ps.shard import Shard
 from shoal.ps.update import Update
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs

@@ -22,6 +22,9 @@ from shoal.rpc import create_server, set_serving
 log = logging.getLogger(__name__)
 
 SERVICE = "shoal.ParameterServer"
+# how long a server leaving on purpose waits for its peers to close their data connections: the view reaches
+# the workers in milliseconds and they close a client it moved away from after worker.routes.RETIRE_GRACE_S
+DRAIN_S = 1.0
 
 
 class PSServer:
@@ -121,7 +124,7 @@ class PSServer:
     def _worker_dropped(self, member_id: str) -> None:
         """A worker's data connection closed under it: tell the chief, which ends the worker at once if
         its view watch broke too (a dead process), long before its lease would run out."""
-        if member_id in self.host.live_workers:
+        if member_id in self.host.live_workers and not self.host.leaving:   # leaving: they follow the view
             self._reports.submit(self._report_dropped, member_id)
 
     def _report_dropped(self, member_id: str) -> None:
@@ -141,6 +144,8 @@ class PSServer:
         metrics.unregister_state(f"ps/{id(self)}")
         self.host.leaving = True
         self.chief.leave()          # the chief promotes this server's complete backups: a planned hand-over
+        if self.channel is not None:    # calls go on being answered (handed over) until the workers move
+            self.channel.drain(min(grace_s, DRAIN_S))
         self.host.close()
         if self.channel is not None:
             self.channel.close()

@@ -28,16 +28,14 @@ from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
 from shoal.optim import build_optimizer
 from shoal.config import OptimizerSpec
 from shoal.wire import encode_weights, pull_itemsize
-from shoal.errors import NOT_PRIMARY, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from shoal.errors import (HANDED_OVER, NOT_PRIMARY, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                          ResourceExhausted)
 
 log = logging.getLogger(__name__)
 
 KEY_MEMORY = 1 << 16  # idempotency keys remembered per shard
 # --nonfinite refuse: after this many pushes in a row holding NaN/Inf, a worker's next one fails
 NONFINITE_STREAK = 3
-
-
-HANDED_OVER = "handed over to its backup"     # in a replicator's refusal when that backup became the primary
 
 
 @dataclass

@@ -102,6 +102,18 @@ class DataChannelServer:
             except OSError:
                 pass
 
+    def drain(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the peers to close their connections (a server leaving on purpose:
+        its workers follow the view and retire their clients); true when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if not self._conns:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:

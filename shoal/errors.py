@@ -59,6 +59,9 @@ class PermissionDenied(ShoalError):
 # In a refusal of a worker's call by a ps that holds no primary copy of the shard:
 # the worker re-reads the cluster view and follows the shard to its primary.
 NOT_PRIMARY = "not the primary"
+# In such a refusal (and a replicator's) when the ps handed the shard over on purpose: it left the job
+# (SIGTERM) or the shard moved to its backup. The worker follows the view without a warning.
+HANDED_OVER = "handed over to its backup"
 
 # Exit status of a chief whose job stopped because a shard lost every copy under
 # --recovery consistent: its supervisor restarts the job from the newest checkpoint.

@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 
 from shoal.chief_client import ChiefClient
-from shoal.errors import NOT_PRIMARY, Unreachable
+from shoal.errors import HANDED_OVER, NOT_PRIMARY, Unreachable
 from shoal.members import MemberState
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.ps_client import ShardClient, is_uninitialised
@@ -126,8 +126,10 @@ class ShardRoutes:
                 return
             deadline = time.monotonic() + self.failover_timeout_s
             patience = time.monotonic() + 2 * max(self.chief.lease_seconds, 1.0)
-            log.warning("shard %d: %s at %s (%s); looking for its primary", shard, exc.code().name,
-                        failed.address, (exc.details() or "")[:120])
+            planned = HANDED_OVER in (exc.details() or "")    # the server said so: it left, or the shard moved
+            if not planned:
+                log.warning("shard %d: %s at %s (%s); looking for its primary", shard, exc.code().name,
+                            failed.address, (exc.details() or "")[:120])
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._report_unreachable(shard)
             while True:
@@ -143,10 +145,15 @@ class ShardRoutes:
                     raise Unreachable(f"gave up after {self.failover_timeout_s:.0f}s waiting for a primary of shard "
                                       f"{shard} (the last, {failed.address}, failed with {exc.code().name})") from exc
                 time.sleep(0.05)
-            if route.primary_address != failed.address:
-                log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)
+            if planned and route.primary_address != failed.address:
+                log.info("shard %d: handed over to %s at %s; following the view (%s said so before the view came)",
+                         shard, route.primary_id, route.primary_address, failed.address)
+                self.moves += 1
+            else:
+                if route.primary_address != failed.address:
+                    log.warning("shard %d: now served by %s at %s", shard, route.primary_id, route.primary_address)
+                self.failovers += 1
             self.clients[shard] = self._make(shard, route.primary_address)
-            self.failovers += 1
             failed.close()
 
     def _report_unreachable(self, shard: int) -> None:
