@@ -29,6 +29,10 @@ from shoal.rpc import check_address, grpc_errors, probe
 log = logging.getLogger(__name__)
 
 MAX_VIEW_WAIT_S = 30.0
+# An open watch waits on an event of its own, set when the epoch changes (or its call ends), without the
+# chief's lock; it re-reads the epoch this often anyway, for a change made outside the servicer (the
+# checkpointer). A thousand idle watches cost no lock and no wake-up between changes but these.
+WATCH_POLL_S = 1.0
 
 
 class ChiefServicer(pb_grpc.ChiefServicer):
@@ -44,6 +48,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self.guard = auth.Guard(self._credential_key)
         self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
         self._published: tuple[int, bytes] | None = None    # (epoch, serialized view): see _serialized_view
+        self._watches: set[threading.Event] = set()         # one per waiting GetView: see _wake_watchers
 
     def _credential_key(self) -> bytes:
         return tokens.public_key(self.state.secret)
@@ -105,7 +110,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                              self.autoscaler.desired, desired, s.tasks.total - s.tasks.done_count)
             if self.state.epoch != before:
                 self._save("expired " + ", ".join(m.member_id for m in gone))
-                self._cond.notify_all()
+                self._wake_watchers()
             elif self._dirty and time.monotonic() - self._last_write >= self.heartbeat_flush_s:
                 self._save("heartbeats")
 
@@ -130,10 +135,15 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 self._changed_now(f"expired {request.member_id}: unreachable")
         return pb.UnreachableReply(expired=expired)
 
+    def _wake_watchers(self) -> None:
+        """The epoch changed (lock held): every waiting watch wakes and answers."""
+        for woke in self._watches:
+            woke.set()
+
     def _changed_now(self, event: str) -> None:
         """Journals a change and wakes the view watchers (lock held)."""
         self._save(event)
-        self._cond.notify_all()
+        self._wake_watchers()
 
     def _view(self) -> pb.ClusterView:
         return convert.view_to_pb(self.state.view())
@@ -167,7 +177,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             else:
                 raise InvalidArgument(f"unknown role {request.role}")
             self._save(f"join {m.member_id}" + (f" (shard {shard})" if request.role == pb.PS else ""))
-            self._cond.notify_all()
+            self._wake_watchers()
             ckpts = self.state.checkpoints
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
                                 view=self._view(), shard=shard,
@@ -200,7 +210,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         with self._locked():
             self.state.leave(request.member_id, convert.counters_from_pb(request.counters))
             self._save(f"leave {request.member_id}")
-            self._cond.notify_all()
+            self._wake_watchers()
             return pb.Empty()
 
     @grpc_errors
@@ -210,18 +220,29 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         deadline = time.monotonic() + (min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
                                        if math.isfinite(request.timeout_seconds) else 0.0)
         answered = []
-        if request.member_id and context is not None:
-            # A watch that breaks off before its answer means the process (or its socket) is gone: cut
-            # its lease to a third, which a live member's next heartbeat (every quarter lease) renews.
-            context.add_callback(lambda: self._watch_closed(request.member_id, bool(answered)))
+        woke = threading.Event()
+        if context is not None:
+            context.add_callback(woke.set)          # the call ended (cancelled, timed out): stop waiting
+            if request.member_id:
+                # A watch that breaks off before its answer means the process (or its socket) is gone: cut
+                # its lease to a third, which a live member's next heartbeat (every quarter lease) renews.
+                context.add_callback(lambda: self._watch_closed(request.member_id, bool(answered)))
         with self._locked():
             if request.member_id:
                 self.state.watch_opened(request.member_id)
-            while self.state.epoch <= request.after_epoch and context.is_active():
+            self._watches.add(woke)
+        try:                # the epoch is an int: read without the lock, which only the answer takes
+            while (self.state.epoch <= request.after_epoch and self.failed is None
+                   and (context is None or context.is_active())):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(min(left, 1.0))
+                woke.wait(min(left, WATCH_POLL_S))
+                woke.clear()
+        finally:
+            with self._cond:
+                self._watches.discard(woke)
+        with self._locked():
             if self.failed is not None:     # a view the journal does not hold must not be seen
                 raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
             answered.append(True)
@@ -254,7 +275,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 self._save(f"tasks {request.member_id}: got {[t.task_id for t in tasks]}, "
                            f"done {list(request.done_task_ids)}, dropped {len(dropped)}")
             if self.state.epoch != before:
-                self._cond.notify_all()
+                self._wake_watchers()
             return pb.TaskReply(tasks=[convert.task_to_pb(t, self.state.sign(request.member_id, t)) for t in tasks],
                                 finished=finished, epoch=self.state.epoch,
                                 data_epochs_open=self.state.tasks.epochs_open)

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -103,3 +104,40 @@ def test_heartbeats_are_answered_while_more_watches_are_open_than_the_old_64_thr
     assert reply.known and time.monotonic() - t0 < 2.0
     stub.Leave(pb.LeaveRequest(member_id=members[0]), timeout=5)
     assert {c.result().epoch for c in calls} == {epoch + 1}
+
+
+def test_idle_watches_take_no_lock_and_still_answer_a_change_at_once(chief, counted, monkeypatch):
+    """A thousand open watches must not wake (and queue on the chief's lock) every second while nothing
+    changes: the old watch re-took the lock once a second each, 1000 lock round trips a second."""
+    server, stub = chief
+    members = join(stub, 120)
+    epoch = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=5).epoch
+    counted["watches"] = 0
+    calls = watch_all(stub, members[1:], epoch)
+    wait_for(lambda: counted["watches"] == len(calls))
+    taken = [0]                           # the lock taken, or taken back after a wait on it
+    enter, wait = threading.Condition.__enter__, threading.Condition.wait
+
+    def counting_enter(self):
+        if self is server.servicer.lock:
+            taken[0] += 1
+        return enter(self)
+
+    def counting_wait(self, timeout=None):
+        try:
+            return wait(self, timeout)
+        finally:
+            if self is server.servicer.lock:
+                taken[0] += 1
+    monkeypatch.setattr(threading.Condition, "__enter__", counting_enter)
+    monkeypatch.setattr(threading.Condition, "wait", counting_wait)
+    time.sleep(2.5)                       # every old watch re-took the lock twice in this window
+    idle = taken[0]
+    started = time.monotonic()
+    stub.Leave(pb.LeaveRequest(member_id=members[0]), timeout=5)
+    views = [c.result() for c in calls]
+    took = time.monotonic() - started
+    assert {v.epoch for v in views} == {epoch + 1}
+    assert took < 1.0, f"the change reached the last of {len(calls)} watchers after {took:.2f}s"
+    # the chief's ticker takes it 20 times a second (tick_s 0.05); 119 watches polling once a second add 238
+    assert idle < 2.5 * 20 + len(calls), f"{idle} lock acquisitions in 2.5 s with {len(calls)} idle watches"
