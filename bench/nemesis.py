@@ -240,8 +240,10 @@ class Run:
         if not self.own_fs:
             self.note("disk_full: skipped (the checkpoint directory is not a filesystem of its own: not root?)")
             return
-        filler = self.ckpts / ".nemesis-filler"
-        with open(filler, "wb") as f:
+        # one file per fault: two that overlap (seed 1031) must not free each other's
+        fd, name = tempfile.mkstemp(prefix=".nemesis-filler-", dir=self.ckpts)
+        filler = Path(name)
+        with os.fdopen(fd, "wb") as f:
             try:
                 while True:
                     f.write(b"\0" * (1 << 20))
