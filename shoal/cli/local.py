@@ -36,6 +36,7 @@ from shoal.cli.status import collect, exactly_once, replica_digests, replicas_id
 from shoal.cli.progress import Console, result_lines
 from shoal.cli.records import add_records, build_summary, read_settled, violation, write_json
 from shoal.cli import observe
+from shoal.cli.ending import finish
 from shoal.cli.supervise import RestartPolicy, stopped_in_journal
 
 log = logging.getLogger(__name__)
@@ -443,15 +444,9 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     try:
         cluster.start()
         console.follow(cluster.chief_address)
-        codes = cluster.wait_workers()
-        cluster.drain()
-        seconds = time.monotonic() - started
-        stats = cluster.job_stats()
-        shards = cluster.shard_report()
-        replicas = cluster.replica_report()
-        final_step = None
-        if cfg.checkpoint_dir and shards is not None:    # the job ends once its final state is saved
-            final_step = cluster.final_checkpoint(max((sh.get("version", 0) for sh in shards["shards"]), default=0))
+        end = finish(cluster, started)
+        codes, seconds, stats, shards, replicas, final_step = (end.codes, end.seconds, end.stats, end.shards,
+                                                               end.replicas, end.final_step)
     except KeyboardInterrupt:
         console.close()
         log.info("interrupted: stopping the cluster")

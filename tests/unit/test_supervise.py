@@ -4,12 +4,14 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 
 from shoal.cli.main import main
 from shoal.cli.supervise import RestartPolicy
-from shoal.errors import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from shoal.errors import EXIT_REFUSED, EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE
+from shoal.proto import shoal_pb2 as pb
 
 
 def test_a_crash_or_a_signal_is_restarted_with_capped_backoff():
@@ -169,3 +171,73 @@ def test_a_chief_killed_on_a_running_job_is_restarted_alone(tmp_path):
     cluster, spawned = cluster_whose_journal_says(tmp_path, {"stopped": ""}, "running", respawn_code=0)
     assert run_children(cluster, (("chief", -signal.SIGKILL), ("ps0", None), ("worker0", 0))) == {"worker0": 0}
     assert spawned == ["chief"] and cluster.rollbacks == 0
+
+
+def records_phase(cluster, monkeypatch, reads: list[dict]):
+    """Stands in for the chief's and the servers' answers after the workers end: ``reads`` are the
+    shard reports, one per read; returns the reads made so far."""
+    made = []
+    monkeypatch.setattr(cluster, "drain", lambda: 0)
+    monkeypatch.setattr(cluster, "job_stats", lambda: pb.JobStats())
+    monkeypatch.setattr(cluster, "replica_report", lambda: None)
+    monkeypatch.setattr(cluster, "final_checkpoint", lambda target: target)
+
+    def shard_report():
+        made.append(reads[min(len(made), len(reads) - 1)])
+        return made[-1]
+    monkeypatch.setattr(cluster, "shard_report", shard_report)
+    return made
+
+
+UNREAD = {"shards": [{"shard": 0, "version": 43, "initialized": True, "ledger": []}, {"shard": 1, "error": "UNAVAILABLE"}]}
+READ = {"shards": [{"shard": k, "version": 43, "initialized": True, "ledger": []} for k in (0, 1)]}
+
+
+@pytest.mark.timeout(20)
+def test_a_job_the_chief_stops_after_the_workers_ended_is_rolled_back_and_read_again(tmp_path, monkeypatch):
+    """Found by bench/nemesis.py --netns (seed 1020): the chief and a primary were killed just after
+    training ended; the restarted chief stopped the job once that primary's lease ran out (no whole copy
+    left), after the run had read its records (a shard unread). It printed "exactly once UNKNOWN" and
+    exited 0 over a lost end state, instead of running the job again from its newest checkpoint."""
+    from shoal.cli.ending import finish
+
+    cluster, spawned = cluster_whose_journal_says(tmp_path, {"stopped": ""}, "running")
+    made = records_phase(cluster, monkeypatch, [UNREAD, READ])
+    for name, code in (("chief", None), ("ps0", None), ("ps1", None), ("worker0", 0), ("worker1", 0)):
+        cluster.children[name] = FakeChild(name, code)
+        cluster._launch[name] = ([], None)
+    polls = []
+
+    def answers_whole(address):      # the chief stops the job, then exits to say so
+        polls.append(address)
+        cluster.children["chief"].proc.code = EXIT_ROLLBACK
+        return False
+    monkeypatch.setattr("shoal.cli.ending._answers_whole", answers_whole)
+    end = finish(cluster, started=0.0, decide_s=10.0)
+    assert cluster.rollbacks == 1 and sorted(spawned) == ["chief", "ps0", "ps1", "worker0", "worker1"]
+    assert made == [UNREAD, READ] and end.shards == READ and end.codes == {"worker0": 0, "worker1": 0}
+
+
+@pytest.mark.timeout(20)
+def test_records_read_again_once_every_shard_answers_and_not_waited_for_under_fast_recovery(tmp_path, monkeypatch):
+    from shoal.cli.ending import finish
+
+    cluster, spawned = cluster_whose_journal_says(tmp_path, {"stopped": ""}, "running")
+    made = records_phase(cluster, monkeypatch, [UNREAD, READ])
+    for name, code in (("chief", None), ("ps0", None), ("worker0", 0)):
+        cluster.children[name] = FakeChild(name, code)
+        cluster._launch[name] = ([], None)
+    answers = iter([False, False, True])
+    monkeypatch.setattr("shoal.cli.ending._answers_whole", lambda address: next(answers))
+    end = finish(cluster, started=0.0, decide_s=10.0)
+    assert made == [UNREAD, READ] and end.shards == READ and cluster.rollbacks == 0 and spawned == []
+
+    made.clear()
+    consistent = cluster.cfg
+    monkeypatch.setattr(cluster, "cfg", replace(consistent, job=replace(consistent.job, recovery="fast")))
+    assert finish(cluster, started=0.0, decide_s=10.0).shards == UNREAD and made == [UNREAD]
+    made.clear()                                        # nothing doubtful: read once, no wait
+    records_phase(cluster, monkeypatch, [READ])
+    monkeypatch.setattr("shoal.cli.ending._answers_whole", lambda address: pytest.fail("waited on good records"))
+    monkeypatch.setattr(cluster, "cfg", consistent)
+    assert finish(cluster, started=0.0, decide_s=10.0).shards == READ
