@@ -291,6 +291,24 @@ def test_failures_count_from_one_and_afresh_after_a_newer_success(tmp_path):
     assert read_failure(tmp_path)["failures"] == 1
 
 
+def test_a_success_at_the_failed_step_counts_afresh_and_a_failure_after_it_counts_on(tmp_path):
+    record_failure(tmp_path, 5, "disk full")
+    record_failure(tmp_path, 5, "disk full")
+    commit(CheckpointWriter(tmp_path), 5)           # the retry of step 5 (the job's last) succeeded
+    record_failure(tmp_path, 6, "again")
+    assert (read_failure(tmp_path)["step"], read_failure(tmp_path)["failures"]) == (6, 1)
+    record_failure(tmp_path, 6, "again")
+    assert read_failure(tmp_path)["failures"] == 2
+    tmp_path2 = tmp_path / "b"
+    commit(CheckpointWriter(tmp_path2), 5)          # a success, then two failed attempts at its step
+    record_failure(tmp_path2, 5, "refused")
+    record_failure(tmp_path2, 5, "refused")
+    assert read_failure(tmp_path2)["failures"] == 2
+    (tmp_path2 / "failed.json").write_text('{"step": 5, "at": "noon", "failures": 4}')   # a hand-edited record
+    record_failure(tmp_path2, 7, "refused")
+    assert (read_failure(tmp_path2)["step"], read_failure(tmp_path2)["failures"]) == (7, 5)
+
+
 def test_a_failure_is_recorded_under_a_root_not_created_yet(tmp_path):
     root = tmp_path / "job" / "ckpts"              # the first checkpoint failed before anything was written
     record_failure(root, 3, "disk full")
