@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,6 +293,7 @@ def test_failures_count_from_one_and_afresh_after_a_newer_success(tmp_path):
 
 
 def test_a_success_at_the_failed_step_counts_afresh_and_a_failure_after_it_counts_on(tmp_path):
+    commit(CheckpointWriter(tmp_path), 3)
     record_failure(tmp_path, 5, "disk full")
     record_failure(tmp_path, 5, "disk full")
     commit(CheckpointWriter(tmp_path), 5)           # the retry of step 5 (the job's last) succeeded
@@ -307,6 +309,21 @@ def test_a_success_at_the_failed_step_counts_afresh_and_a_failure_after_it_count
     (tmp_path2 / "failed.json").write_text('{"step": 5, "at": "noon", "failures": 4}')   # a hand-edited record
     record_failure(tmp_path2, 7, "refused")
     assert (read_failure(tmp_path2)["step"], read_failure(tmp_path2)["failures"]) == (7, 5)
+
+
+@pytest.mark.parametrize("manifest", ["{not json", '{"step": 5}', '{"created": null}', "/proc/self/mem"])
+def test_a_success_whose_manifest_cannot_be_read_does_not_stop_a_failure_being_counted(tmp_path, manifest):
+    record_failure(tmp_path, 5, "disk full")
+    path = commit(CheckpointWriter(tmp_path), 5) / "manifest.json"
+    path.unlink()
+    if manifest.startswith("/"):                   # a regular file whose read fails (EIO at offset 0)
+        if not Path(manifest).is_file():
+            pytest.skip(f"no {manifest} here")
+        path.symlink_to(manifest)
+    else:
+        path.write_text(manifest)
+    record_failure(tmp_path, 5, "disk full")       # which came first is unknown: the failures count on
+    assert read_failure(tmp_path)["failures"] == 2
 
 
 def test_a_failure_is_recorded_under_a_root_not_created_yet(tmp_path):
