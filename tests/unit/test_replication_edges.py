@@ -1,0 +1,128 @@
+"""Replication edges found by mutation testing: an update or a copy that arrives short or mixed with
+another shard's is refused; updates over gRPC (one message, or chunked) reach the backup whole; a
+replicator closed while an update is on its way never lets that update be applied.
+
+Pure state, no sockets: a primary's shard and its :class:`Replicator` talk to a real backup
+:class:`ShardHost` through a stand-in for the gRPC stubs (as in test_backup_recopy.py).
+"""
+import pytest
+import torch
+
+from shoal.config import JobConfig, OptimizerSpec
+from shoal.errors import ShoalError, Unavailable
+from shoal.proto import shoal_pb2 as pb
+from shoal.ps.consistency import AsyncRule
+from shoal.ps.host import ShardHost
+from shoal.ps.replication import (Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
+                                  update_from_frames)
+from shoal.ps.shard import Shard
+from shoal.ps.update import Update
+
+from test_backup_recopy import Refusal
+
+SGD = OptimizerSpec("sgd", {"lr": 1.0})
+
+
+def an_update(n: int = 10, version: int = 1) -> Update:
+    return Update(version, torch.arange(n, dtype=torch.float32), ("k1",), (), ("w",))
+
+
+# ---------------------------------------------------------------- frames
+
+def test_an_update_missing_its_last_chunk_is_refused():
+    fr = update_frames(0, "ps-0", an_update(10), chunk_bytes=16)          # 4 + 4 + 2 elements
+    assert len(fr) == 3
+    head, u = update_from_frames(iter(fr))
+    assert head.version == 1 and torch.equal(u.dense_grad(), torch.arange(10, dtype=torch.float32))
+    with pytest.raises(ValueError, match="covers 8 of 10 elements"):
+        update_from_frames(iter(fr[:2]))
+
+
+def test_a_copy_whose_chunks_come_from_two_shards_is_refused():
+    data = bytes(range(200))
+    ours = list(install_frames(1, "ps-0", 5, "fp", data, chunk_bytes=64))
+    theirs = list(install_frames(2, "ps-0", 5, "fp", data, chunk_bytes=64))
+    head, got = install_from_frames(iter(ours))
+    assert head.shard == 1 and bytes(got) == data
+    with pytest.raises(ValueError, match="does not continue"):
+        install_from_frames(iter([ours[0], theirs[1], *ours[2:]]))
+
+
+# ---------------------------------------------------------------- the replicator over gRPC
+
+class GrpcBackup:
+    """The backup's data service, in process, as a ps without a TCP data channel answers it."""
+
+    def __init__(self, host: ShardHost):
+        self.host, self.calls, self.before_call = host, [], lambda: None
+
+    def _replicate(self, frames):
+        self.before_call()
+        try:
+            head, u = update_from_frames(iter(frames))
+            return pb.ReplicateReply(version=self.host.replicate(head, u)).SerializeToString()
+        except ShoalError as exc:
+            raise Refusal(exc) from None
+
+    def replicate_one(self, frame, timeout=None):
+        self.calls.append(("one", 1))
+        return self._replicate([frame])
+
+    def replicate(self, frame_iter, timeout=None):
+        frames = list(frame_iter)
+        self.calls.append(("stream", len(frames)))
+        return self._replicate(frames)
+
+    def install(self, frame_iter, timeout=None):
+        head, data = install_from_frames(frame_iter)
+        return pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
+
+
+@pytest.fixture
+def pair():
+    """``(primary shard, backup host, stubs, make_replicator)``: a backup holding the primary's copy."""
+    primary = Shard(0, torch.zeros(6), SGD, AsyncRule(), "fp")
+    backup = ShardHost()
+    backup.member_id, backup.job, backup.primary_of = "ps-1", JobConfig(mode="async"), {0: "ps-0"}
+    stubs = GrpcBackup(backup)
+    stubs.install(install_frames(0, "ps-0", primary.version, primary.fingerprint,
+                                 replica_bytes(primary.export_replica()), 1 << 20))
+    made = []
+
+    def make(chunk_bytes=1 << 20):
+        r = Replicator(0, lambda: "ps-0", lambda: primary, chunk_bytes=chunk_bytes, retry_s=0.01)
+        # in step with a backup that offers no TCP channel (what set_target, _data_channel and _install reach)
+        r._target, r._stubs, r._negotiated, r._state = ("ps-1", "backup:1"), stubs, True, "in_sync"
+        primary.replicator = r
+        made.append(r)
+        return r
+
+    yield primary, backup, stubs, make
+    for r in made:
+        r.close()
+    backup.close()
+
+
+@pytest.mark.parametrize("chunk_bytes,calls", [(1 << 20, [("one", 1)] * 2), (8, [("stream", 3)] * 2)],
+                         ids=["one-message", "chunked"])
+def test_updates_over_grpc_reach_the_backup_whole(pair, chunk_bytes, calls):
+    primary, backup, stubs, make = pair
+    r = make(chunk_bytes)
+    for i, key in enumerate(("k1", "k2")):
+        assert primary.push("a", i, torch.linspace(-1, 1, 6), key=key).accepted
+    assert stubs.calls == calls and r.transport == "grpc"
+    assert backup.shards[0].version == 2 and backup.shards[0].digest() == primary.digest()
+
+
+def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pair):
+    primary, backup, stubs, make = pair
+    r = make()
+
+    def closed_under_it():          # the view dropped this copy: close() shut the channel the call was about to use
+        r.close()
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    stubs.before_call = closed_under_it
+    with pytest.raises(Unavailable, match="dropped"):
+        primary.push("a", 0, torch.ones(6), key="k1")
+    assert primary.version == 0 and backup.shards[0].version == 0
