@@ -5,6 +5,8 @@ replicator closed while an update is on its way never lets that update be applie
 Pure state, no sockets: a primary's shard and its :class:`Replicator` talk to a real backup
 :class:`ShardHost` through a stand-in for the gRPC stubs (as in test_backup_recopy.py).
 """
+import logging
+
 import pytest
 import torch
 
@@ -112,6 +114,23 @@ def test_updates_over_grpc_reach_the_backup_whole(pair, chunk_bytes, calls):
         assert primary.push("a", i, torch.linspace(-1, 1, 6), key=key).accepted
     assert stubs.calls == calls and r.transport == "grpc"
     assert backup.shards[0].version == 2 and backup.shards[0].digest() == primary.digest()
+
+
+def test_an_unreachable_backup_is_retried_with_one_warning_and_the_update_waits_for_it(pair, caplog):
+    primary, backup, stubs, make = pair
+    make()
+    down = [Unavailable("connection refused")] * 3
+
+    def unreachable():
+        if down:
+            raise Refusal(down.pop())
+
+    stubs.before_call = unreachable
+    with caplog.at_level(logging.WARNING, logger="shoal.ps.replication"):
+        assert primary.push("a", 0, torch.ones(6), key="k1").accepted
+    assert [r.getMessage() for r in caplog.records] == [
+        "shard 0: backup ps-1 unreachable (UNAVAILABLE); holding update 1 until it answers or the chief replaces it"]
+    assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
 
 
 def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pair):
