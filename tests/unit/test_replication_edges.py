@@ -10,12 +10,13 @@ import logging
 import pytest
 import torch
 
+from harness import wait_until
 from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import ShoalError, Unavailable
+from shoal.errors import HANDED_OVER, FailedPrecondition, ShoalError, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.host import ShardHost
-from shoal.ps.replication import (Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
+from shoal.ps.replication import (FENCED, Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
                                   update_from_frames)
 from shoal.ps.shard import Shard
 from shoal.ps.update import Update
@@ -38,6 +39,18 @@ def test_an_update_missing_its_last_chunk_is_refused():
     assert head.version == 1 and torch.equal(u.dense_grad(), torch.arange(10, dtype=torch.float32))
     with pytest.raises(ValueError, match="covers 8 of 10 elements"):
         update_from_frames(iter(fr[:2]))
+
+
+def test_an_update_with_a_chunk_repeated_is_refused_even_when_the_count_adds_up():
+    fr = update_frames(0, "ps-0", an_update(10), chunk_bytes=16)          # [0, 4), [4, 8), [8, 10)
+    with pytest.raises(ValueError, match=r"chunk \[0, \+4\) does not continue at 4"):
+        update_from_frames(iter([fr[0], fr[0], fr[2]]))                   # 4 + 4 + 2 = 10, wrong data
+
+
+def test_a_chunk_size_under_one_element_still_sends_one_element_a_frame():
+    fr = update_frames(0, "ps-0", an_update(3), chunk_bytes=2)
+    assert len(fr) == 3
+    assert torch.equal(update_from_frames(iter(fr))[1].dense_grad(), torch.arange(3, dtype=torch.float32))
 
 
 def test_a_copy_whose_chunks_come_from_two_shards_is_refused():
@@ -145,3 +158,48 @@ def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pai
     with pytest.raises(Unavailable, match="dropped"):
         primary.push("a", 0, torch.ones(6), key="k1")
     assert primary.version == 0 and backup.shards[0].version == 0
+
+
+@pytest.mark.parametrize("primary_now,handed_over", [("ps-1", True), ("ps-9", False)],
+                         ids=["the-backup-took-over", "a-third-server"])
+def test_a_fenced_update_says_handed_over_only_when_its_own_backup_took_over(pair, primary_now, handed_over):
+    primary, backup, stubs, make = pair
+    make()
+
+    def fenced():
+        raise Refusal(FailedPrecondition(f"shard 0's {FENCED} {primary_now}, not ps-0"))
+
+    stubs.before_call = fenced
+    with pytest.raises(Unavailable, match=f"{FENCED} {primary_now}") as err:
+        primary.push("a", 0, torch.ones(6), key="k1")
+    assert (HANDED_OVER in str(err.value)) is handed_over
+    assert primary.version == 0
+
+
+class FlakyCopy(Replicator):
+    """A new backup's copy fails as ``answers`` say, then is made (the copy itself is the choke point)."""
+
+    answers: list = []
+
+    def _install_once(self, gen, shard):
+        if self.answers:
+            raise self.answers.pop(0)
+        with self._lock:
+            if gen == self._generation:
+                self._state = "in_sync"
+
+
+def test_a_copy_that_fails_is_tried_again_until_the_backup_has_it(caplog):
+    shard = Shard(0, torch.zeros(6), SGD, AsyncRule(), "fp")
+    r = FlakyCopy(0, lambda: "ps-0", lambda: shard, retry_s=0.01)
+    r.answers = [Refusal(FailedPrecondition("ps-0 is not the primary of shard 0 in my view")),
+                 Refusal(Unavailable("connection refused"))]
+    try:
+        with caplog.at_level(logging.INFO, logger="shoal.ps.replication"):
+            r.set_target("ps-1", "127.0.0.1:9")
+            wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the copy to be made on the third try")
+        tries = [(rec.levelname, rec.getMessage()) for rec in caplog.records if "retrying" in rec.getMessage()]
+        assert tries == [("INFO", "shard 0: copy to backup ps-1 failed (FAILED_PRECONDITION); retrying"),
+                         ("WARNING", "shard 0: copy to backup ps-1 failed (UNAVAILABLE); retrying")]
+    finally:
+        r.close()
