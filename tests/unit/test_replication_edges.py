@@ -6,6 +6,7 @@ Pure state, no sockets: a primary's shard and its :class:`Replicator` talk to a 
 :class:`ShardHost` through a stand-in for the gRPC stubs (as in test_backup_recopy.py).
 """
 import logging
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from shoal.config import JobConfig, OptimizerSpec
 from shoal.errors import HANDED_OVER, FailedPrecondition, ShoalError, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule
+from shoal.ps import replication
 from shoal.ps.host import ShardHost
 from shoal.ps.replication import (FENCED, Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
                                   update_from_frames)
@@ -53,6 +55,13 @@ def test_a_chunk_size_under_one_element_still_sends_one_element_a_frame():
     assert torch.equal(update_from_frames(iter(fr))[1].dense_grad(), torch.arange(3, dtype=torch.float32))
 
 
+def test_an_empty_copy_still_travels_as_one_frame():
+    fr = list(install_frames(1, "ps-0", 5, "fp", b"", chunk_bytes=64))
+    assert len(fr) == 1
+    head, got = install_from_frames(iter(fr))
+    assert (head.shard, head.total_bytes, bytes(got)) == (1, 0, b"")
+
+
 def test_a_copy_whose_chunks_come_from_two_shards_is_refused():
     data = bytes(range(200))
     ours = list(install_frames(1, "ps-0", 5, "fp", data, chunk_bytes=64))
@@ -69,7 +78,7 @@ class GrpcBackup:
     """The backup's data service, in process, as a ps without a TCP data channel answers it."""
 
     def __init__(self, host: ShardHost):
-        self.host, self.calls, self.before_call = host, [], lambda: None
+        self.host, self.calls, self.before_call, self.after_install = host, [], lambda: None, lambda: None
 
     def _replicate(self, frames):
         self.before_call()
@@ -90,7 +99,9 @@ class GrpcBackup:
 
     def install(self, frame_iter, timeout=None):
         head, data = install_from_frames(frame_iter)
-        return pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
+        reply = pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
+        self.after_install()
+        return reply
 
 
 @pytest.fixture
@@ -203,3 +214,22 @@ def test_a_copy_that_fails_is_tried_again_until_the_backup_has_it(caplog):
                          ("WARNING", "shard 0: copy to backup ps-1 failed (UNAVAILABLE); retrying")]
     finally:
         r.close()
+
+
+def test_a_copy_made_after_the_view_dropped_this_copy_never_counts_the_backup_whole(monkeypatch):
+    shard = Shard(0, torch.zeros(6), SGD, AsyncRule(), "fp")
+    backup = ShardHost()
+    backup.member_id, backup.job, backup.primary_of = "ps-1", JobConfig(mode="async"), {0: "ps-0"}
+    stubs = GrpcBackup(backup)
+    told_whole = []
+    r = Replicator(0, lambda: "ps-0", lambda: shard, retry_s=0.01, on_in_sync=lambda: told_whole.append(True))
+    stubs.after_install = r.close            # the view dropped this copy while its backup was being filled
+    monkeypatch.setattr(replication, "DataStubs", lambda channel: stubs)
+    try:
+        r.set_target("ps-1", "127.0.0.1:9")
+        wait_until(lambda: 0 in backup.shards and not any(t.name == "install-0" for t in threading.enumerate()),
+                   timeout_s=10, what="the copy to be made and its thread to end")
+        assert r.state == "none" and told_whole == []
+    finally:
+        r.close()
+        backup.close()
