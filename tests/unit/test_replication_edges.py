@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from harness import wait_until
+from shoal import frames
 from shoal.config import JobConfig, OptimizerSpec
 from shoal.errors import HANDED_OVER, FailedPrecondition, ShoalError, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule
+from shoal.ps.ledger import BatchKey
 from shoal.ps import replication
 from shoal.ps.host import ShardHost
 from shoal.ps.replication import (FENCED, Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
@@ -29,7 +31,8 @@ SGD = OptimizerSpec("sgd", {"lr": 1.0})
 
 
 def an_update(n: int = 10, version: int = 1) -> Update:
-    return Update(version, torch.arange(n, dtype=torch.float32), ("k1",), (), ("w",))
+    return Update(version, torch.arange(n, dtype=torch.float32), ("k1",), ((BatchKey(2, 64), "k1"),), ("w",),
+                  hparams=(("0.lr", 0.5),))
 
 
 # ---------------------------------------------------------------- frames
@@ -37,8 +40,11 @@ def an_update(n: int = 10, version: int = 1) -> Update:
 def test_an_update_missing_its_last_chunk_is_refused():
     fr = update_frames(0, "ps-0", an_update(10), chunk_bytes=16)          # 4 + 4 + 2 elements
     assert len(fr) == 3
-    head, u = update_from_frames(iter(fr))
-    assert head.version == 1 and torch.equal(u.dense_grad(), torch.arange(10, dtype=torch.float32))
+    for one in (fr, update_frames(0, "ps-0", an_update(10), chunk_bytes=1 << 20)):
+        head, u = update_from_frames(iter(one))
+        assert head.version == 1 and torch.equal(u.dense_grad(), torch.arange(10, dtype=torch.float32))
+        assert (u.keys, u.batches, u.workers, u.hparams) == (("k1",), ((BatchKey(2, 64), "k1"),), ("w",),
+                                                             (("0.lr", 0.5),))
     with pytest.raises(ValueError, match="covers 8 of 10 elements"):
         update_from_frames(iter(fr[:2]))
 
@@ -47,6 +53,15 @@ def test_an_update_with_a_chunk_repeated_is_refused_even_when_the_count_adds_up(
     fr = update_frames(0, "ps-0", an_update(10), chunk_bytes=16)          # [0, 4), [4, 8), [8, 10)
     with pytest.raises(ValueError, match=r"chunk \[0, \+4\) does not continue at 4"):
         update_from_frames(iter([fr[0], fr[0], fr[2]]))                   # 4 + 4 + 2 = 10, wrong data
+
+
+def test_a_last_chunk_that_claims_more_than_the_shard_is_refused():
+    fr = update_frames(0, "ps-0", an_update(10), chunk_bytes=32)          # [0, 8), [8, 10)
+    head, _ = frames.unpack(fr[1], pb.ReplicateHeader)
+    head.numel = 4                                                       # [8, 12) of 10
+    long_tail = frames.pack(head, frames.tensor_bytes(torch.zeros(4)))
+    with pytest.raises(ValueError, match="does not continue"):
+        update_from_frames(iter([fr[0], long_tail]))
 
 
 def test_a_chunk_size_under_one_element_still_sends_one_element_a_frame():
@@ -70,6 +85,8 @@ def test_a_copy_whose_chunks_come_from_two_shards_is_refused():
     assert head.shard == 1 and bytes(got) == data
     with pytest.raises(ValueError, match="does not continue"):
         install_from_frames(iter([ours[0], theirs[1], *ours[2:]]))
+    with pytest.raises(ValueError, match="carried 192 of 200 bytes"):
+        install_from_frames(iter(ours[:-1]))
 
 
 # ---------------------------------------------------------------- the replicator over gRPC
@@ -96,6 +113,9 @@ class GrpcBackup:
         frames = list(frame_iter)
         self.calls.append(("stream", len(frames)))
         return self._replicate(frames)
+
+    def open_channel(self, request, timeout=None):
+        return pb.DataChannelOffer().SerializeToString()         # port 0: no TCP data channel here
 
     def install(self, frame_iter, timeout=None):
         head, data = install_from_frames(frame_iter)
@@ -208,6 +228,8 @@ def test_a_copy_that_fails_is_tried_again_until_the_backup_has_it(caplog):
     try:
         with caplog.at_level(logging.INFO, logger="shoal.ps.replication"):
             r.set_target("ps-1", "127.0.0.1:9")
+            copiers = [t for t in threading.enumerate() if t.name == "install-0"]
+            assert all(t.daemon for t in copiers)     # a copy retried for ever never keeps a stopping ps alive
             wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the copy to be made on the third try")
         tries = [(rec.levelname, rec.getMessage()) for rec in caplog.records if "retrying" in rec.getMessage()]
         assert tries == [("INFO", "shard 0: copy to backup ps-1 failed (FAILED_PRECONDITION); retrying"),
@@ -233,3 +255,26 @@ def test_a_copy_made_after_the_view_dropped_this_copy_never_counts_the_backup_wh
     finally:
         r.close()
         backup.close()
+
+
+def test_an_update_on_its_way_when_the_view_names_another_backup_reaches_the_new_one(pair, monkeypatch):
+    primary, backup, stubs, make = pair
+    r = make()
+    other = ShardHost()
+    other.member_id, other.job, other.primary_of = "ps-2", JobConfig(mode="async"), {0: "ps-0"}
+    monkeypatch.setattr(replication, "DataStubs", lambda channel: GrpcBackup(other))
+
+    def retargeted():             # the view named ps-2 and closed ps-1's channel as the call was made
+        stubs.before_call = lambda: None
+        r.set_target("ps-2", "127.0.0.1:9")
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    stubs.before_call = retargeted
+    try:
+        assert primary.push("a", 0, torch.ones(6), key="k1").accepted
+        wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the new backup's copy")
+        assert other.shards[0].version == 1 and other.shards[0].digest() == primary.digest()
+        assert primary.push("a", 1, torch.ones(6), key="k2").accepted
+        assert other.shards[0].version == 2 and backup.shards[0].version == 0
+    finally:
+        other.close()
