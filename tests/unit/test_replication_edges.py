@@ -278,3 +278,30 @@ def test_an_update_on_its_way_when_the_view_names_another_backup_reaches_the_new
         assert other.shards[0].version == 2 and backup.shards[0].version == 0
     finally:
         other.close()
+
+
+def test_a_data_channel_opened_for_a_backup_the_view_replaced_meanwhile_is_closed(pair, monkeypatch):
+    primary, backup, stubs, make = pair
+    r = make()
+    r._negotiated = False                    # the backup's TCP data channel not asked for yet
+    other = ShardHost()
+    other.member_id, other.job, other.primary_of = "ps-2", JobConfig(mode="async"), {0: "ps-0"}
+    monkeypatch.setattr(replication, "DataStubs", lambda channel: GrpcBackup(other))
+    closed = []
+
+    class Channel:
+        def close(self):
+            closed.append(True)
+
+    def negotiate(stubs_, address, member_id, what, credential):
+        r.set_target("ps-2", "127.0.0.1:9")  # the view moved on while the offer was on its way
+        return Channel()
+
+    monkeypatch.setattr(replication.tcp_client, "negotiate", negotiate)
+    try:
+        assert primary.push("a", 0, torch.ones(6), key="k1").accepted
+        assert closed == [True]                  # not kept, not leaked
+        wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the new backup's copy")
+        assert r.transport == ""
+    finally:
+        other.close()
