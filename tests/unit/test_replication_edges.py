@@ -305,3 +305,30 @@ def test_a_data_channel_opened_for_a_backup_the_view_replaced_meanwhile_is_close
         assert r.transport == ""
     finally:
         other.close()
+
+
+def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts_whole(monkeypatch):
+    primary = Shard(0, torch.zeros(6), SGD, AsyncRule(), "fp")
+    backup = ShardHost()
+    backup.member_id, backup.job, backup.primary_of = "ps-1", JobConfig(mode="async"), {0: "ps-0"}
+    stubs = GrpcBackup(backup)
+    monkeypatch.setattr(replication, "DataStubs", lambda channel: stubs)
+    r = Replicator(0, lambda: "ps-0", lambda: primary, retry_s=0.01)
+    primary.replicator = r
+    pushes = iter(range(4))
+
+    def training_goes_on():       # one push after the copy, and one while each of the first three is sent
+        i = next(pushes, None)
+        if i is not None:
+            assert primary.push("a", i, torch.full((6,), float(i + 1)), key=f"k{i}").accepted
+
+    stubs.after_install = stubs.before_call = training_goes_on
+    try:
+        r.set_target("ps-1", "127.0.0.1:9")
+        wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the new backup to catch up")
+        assert primary.version == 4 and backup.shards[0].version == 4
+        assert backup.shards[0].digest() == primary.digest()
+        assert stubs.calls == [("one", 1)] * 4          # three caught up outside the lock, the last under it
+    finally:
+        r.close()
+        backup.close()
