@@ -20,7 +20,7 @@ from shoal.ps.consistency import AsyncRule
 from shoal.ps.ledger import BatchKey
 from shoal.ps import replication
 from shoal.ps.host import ShardHost
-from shoal.ps.replication import (FENCED, Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
+from shoal.ps.replication import (FENCED, NEEDS_COPY, Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
                                   update_from_frames)
 from shoal.ps.shard import Shard
 from shoal.ps.update import Update
@@ -96,6 +96,7 @@ class GrpcBackup:
 
     def __init__(self, host: ShardHost):
         self.host, self.calls, self.before_call, self.after_install = host, [], lambda: None, lambda: None
+        self.installs = 0
 
     def _replicate(self, frames):
         self.before_call()
@@ -118,6 +119,7 @@ class GrpcBackup:
         return pb.DataChannelOffer().SerializeToString()         # port 0: no TCP data channel here
 
     def install(self, frame_iter, timeout=None):
+        self.installs += 1
         head, data = install_from_frames(frame_iter)
         reply = pb.ReplicateReply(version=self.host.install_copy(head, data)).SerializeToString()
         self.after_install()
@@ -332,3 +334,56 @@ def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts
     finally:
         r.close()
         backup.close()
+
+
+def test_a_backup_that_lost_its_copy_gets_one_fresh_copy_even_when_the_update_after_it_is_retried(pair):
+    primary, backup, stubs, make = pair
+    make()
+    answers = [Refusal(FailedPrecondition(f"no copy of shard 0 here: {NEEDS_COPY}")),
+               Refusal(Unavailable("connection reset"))]
+
+    def lost_then_flaky():
+        if answers:
+            raise answers.pop(0)
+
+    stubs.before_call = lost_then_flaky
+    installs = stubs.installs
+    assert primary.push("a", 0, torch.ones(6), key="k1").accepted
+    assert stubs.installs - installs == 1
+    assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
+
+
+def test_a_copy_cut_off_by_its_closed_channel_ends_quietly(monkeypatch):
+    shard = Shard(0, torch.zeros(6), SGD, AsyncRule(), "fp")
+    r = FlakyCopy(0, lambda: "ps-0", lambda: shard, retry_s=0.01)
+    calls = []
+
+    def install_once(gen, shard):
+        calls.append(gen)
+        if len(calls) == 1:                            # the view moved on and closed this copy's channel
+            r.set_target("ps-2", "127.0.0.1:9")
+            raise ValueError("Cannot invoke RPC on closed channel!")
+        return FlakyCopy._install_once(r, gen, shard)
+
+    unhandled = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+    monkeypatch.setattr(r, "_install_once", install_once)
+    try:
+        r.set_target("ps-1", "127.0.0.1:9")
+        wait_until(lambda: r.state == "in_sync" and r.backup == "ps-2", timeout_s=10, what="the second copy")
+        wait_until(lambda: not any(t.name == "install-0" for t in threading.enumerate()), timeout_s=10,
+                   what="the copy threads to end")
+        assert unhandled == [] and len(calls) == 2
+    finally:
+        r.close()
+
+
+def test_the_no_backup_timer_never_keeps_a_stopping_ps_alive():
+    r = Replicator(5, lambda: "ps-0", lambda: None)
+    r.set_target("ps-1", "127.0.0.1:9")
+    r.set_target("", "")
+    try:
+        timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+        assert timers and all(t.daemon for t in timers)
+    finally:
+        r.close()
