@@ -6,8 +6,10 @@ Pure state, no sockets: a primary's shard and its :class:`Replicator` talk to a 
 :class:`ShardHost` through a stand-in for the gRPC stubs (as in test_backup_recopy.py).
 """
 import logging
+import re
 import threading
 
+import grpc
 import pytest
 import torch
 
@@ -179,13 +181,23 @@ def test_an_unreachable_backup_is_retried_with_one_warning_and_the_update_waits_
     assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
 
 
-def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pair):
+class Cancelled(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "Channel closed!"
+
+
+@pytest.mark.parametrize("failure", [ValueError("Cannot invoke RPC on closed channel!"), Cancelled()],
+                         ids=["before-the-call", "during-the-call"])
+def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pair, failure):
     primary, backup, stubs, make = pair
     r = make()
 
-    def closed_under_it():          # the view dropped this copy: close() shut the channel the call was about to use
+    def closed_under_it():          # the view dropped this copy: close() shut the channel the call was on
         r.close()
-        raise ValueError("Cannot invoke RPC on closed channel!")
+        raise failure
 
     stubs.before_call = closed_under_it
     with pytest.raises(Unavailable, match="dropped"):
@@ -309,7 +321,7 @@ def test_a_data_channel_opened_for_a_backup_the_view_replaced_meanwhile_is_close
         other.close()
 
 
-def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts_whole(monkeypatch):
+def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts_whole(monkeypatch, caplog):
     primary = Shard(0, torch.zeros(6), SGD, AsyncRule(), "fp")
     backup = ShardHost()
     backup.member_id, backup.job, backup.primary_of = "ps-1", JobConfig(mode="async"), {0: "ps-0"}
@@ -326,8 +338,11 @@ def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts
 
     stubs.after_install = stubs.before_call = training_goes_on
     try:
-        r.set_target("ps-1", "127.0.0.1:9")
-        wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the new backup to catch up")
+        with caplog.at_level(logging.INFO, logger="shoal.ps.replication"):
+            r.set_target("ps-1", "127.0.0.1:9")
+            wait_until(lambda: r.state == "in_sync", timeout_s=10, what="the new backup to catch up")
+        [took] = [float(m) for m in re.findall(r"in sync from version 0 \(\d+ bytes copied in ([\d.]+)s\)", caplog.text)]
+        assert took < 60
         assert primary.version == 4 and backup.shards[0].version == 4
         assert backup.shards[0].digest() == primary.digest()
         assert stubs.calls == [("one", 1)] * 4          # three caught up outside the lock, the last under it
@@ -336,7 +351,7 @@ def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts
         backup.close()
 
 
-def test_a_backup_that_lost_its_copy_gets_one_fresh_copy_even_when_the_update_after_it_is_retried(pair):
+def test_a_backup_that_lost_its_copy_gets_one_fresh_copy_even_when_the_update_after_it_is_retried(pair, caplog):
     primary, backup, stubs, make = pair
     make()
     answers = [Refusal(FailedPrecondition(f"no copy of shard 0 here: {NEEDS_COPY}")),
@@ -348,8 +363,11 @@ def test_a_backup_that_lost_its_copy_gets_one_fresh_copy_even_when_the_update_af
 
     stubs.before_call = lost_then_flaky
     installs = stubs.installs
-    assert primary.push("a", 0, torch.ones(6), key="k1").accepted
+    with caplog.at_level(logging.WARNING, logger="shoal.ps.replication"):
+        assert primary.push("a", 0, torch.ones(6), key="k1").accepted
     assert stubs.installs - installs == 1
+    [took] = [float(m) for m in re.findall(r"sent it a fresh one at version 0 \(\d+ bytes in ([\d.]+)s\)", caplog.text)]
+    assert took < 60
     assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
 
 
