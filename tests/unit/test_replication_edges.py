@@ -72,8 +72,9 @@ def test_a_chunk_size_under_one_element_still_sends_one_element_a_frame():
     assert torch.equal(update_from_frames(iter(fr))[1].dense_grad(), torch.arange(3, dtype=torch.float32))
 
 
-def test_an_empty_copy_still_travels_as_one_frame():
-    fr = list(install_frames(1, "ps-0", 5, "fp", b"", chunk_bytes=64))
+@pytest.mark.parametrize("chunk_bytes", [64, 1])
+def test_an_empty_copy_still_travels_as_one_frame(chunk_bytes):
+    fr = list(install_frames(1, "ps-0", 5, "fp", b"", chunk_bytes=chunk_bytes))
     assert len(fr) == 1
     head, got = install_from_frames(iter(fr))
     assert (head.shard, head.total_bytes, bytes(got)) == (1, 0, b"")
