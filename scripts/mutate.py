@@ -70,7 +70,9 @@ MODULES: dict[str, list[str]] = {
     "ps/shard.py": [U + "test_shard_rounds.py", U + "test_replication_order.py", U + "test_ledger_counts.py",
                     U + "test_shard_optimizer.py", U + "test_changes.py", U + "test_checkpoint_cut.py",
                     I + "test_ps_servicer.py", I + "test_tcp_channel.py"],
-    "ps/replication.py": [U + "test_replication_order.py", I + "test_tcp_channel.py", I + "test_replication.py"],
+    "ps/replication.py": [U + "test_replication_edges.py", U + "test_replication_order.py", U + "test_backup_recopy.py",
+                          U + "test_no_backup_warning.py", I + "test_fencing.py", I + "test_tcp_channel.py",
+                          I + "test_replication.py"],
     "worker/trainer.py": [I + "test_partial_refusal.py", I + "test_cluster.py"],
 }
 

@@ -408,8 +408,13 @@ def record_failure(root: str | Path, step: int, error: str) -> None:
     root = Path(root)
     previous = read_failure(root) or {}
     newest = list_checkpoints(root)
-    if newest and _step_of(newest[0]) > int(previous.get("step", -1)):
-        previous = {}                    # a checkpoint succeeded since: count afresh
+    if newest and previous:
+        done, failed = _step_of(newest[0]), previous["step"]
+        at = previous.get("at")
+        at = at if isinstance(at, (int, float)) else float("inf")        # unknown: the failure stays the later
+        # a checkpoint succeeded since: count afresh (at the failed step itself, the times say which came first)
+        if done > failed or (done == failed and _created(newest[0]) > at):
+            previous = {}
     record = {"step": int(step), "error": error, "at": time.time(), "failures": int(previous.get("failures", 0)) + 1}
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -418,6 +423,14 @@ def record_failure(root: str | Path, step: int, error: str) -> None:
         os.replace(tmp, root / FAILURES)
     except OSError as exc:
         log.warning("cannot note the failed checkpoint under %s either (%s)", root, exc)
+
+
+def _created(path: Path) -> float:
+    """The manifest's creation time (-inf when it cannot be read: then it never counts as newer)."""
+    try:
+        return float(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["created"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float("-inf")
 
 
 def read_failure(root: str | Path) -> dict[str, Any] | None:

@@ -2,6 +2,9 @@
 one, refusals without ``replace``, closed pending checkpoints, failure records, optimizer-state layout."""
 import json
 import logging
+import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from shoal.checkpoint_store import (CheckpointWriter, ShardState, list_checkpoin
                                     opt_state_to_flat, read_failure, record_failure)
 from shoal.config import OptimizerSpec, ParamGroupSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
-from shoal.layout import ModelLayout
+from shoal.layout import ModelLayout, ShardPlan
 
 LAYOUT = ModelLayout.from_module(torch.nn.Linear(2, 2))
 N = LAYOUT.numel
@@ -85,12 +88,16 @@ def test_prune_without_any_checkpoint_leaves_pending_writes_alone(tmp_path):
     assert all(p.tmp.is_dir() for p in pending)
 
 
-def test_prune_tolerates_an_old_checkpoint_removed_meanwhile(tmp_path):
+@pytest.mark.parametrize("removed", ["manifest", "directory"])
+def test_prune_tolerates_an_old_checkpoint_removed_meanwhile(tmp_path, removed):
     for step in (1, 2):
         commit(CheckpointWriter(tmp_path, keep=2), step)
 
     def validate_while_another_pruner_runs(path):
-        (tmp_path / ck(1) / "manifest.json").unlink(missing_ok=True)
+        if removed == "manifest":
+            (tmp_path / ck(1) / "manifest.json").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(tmp_path / ck(1), ignore_errors=True)
         open_checkpoint(path)
 
     commit(CheckpointWriter(tmp_path, keep=2, validate=validate_while_another_pruner_runs), 3)
@@ -107,12 +114,13 @@ def test_a_checkpoint_whose_manifest_does_not_parse_fully_is_invalid_not_fatal(t
     assert ck(1) in caplog.text and "not valid" in caplog.text
 
 
-def test_a_validator_that_raises_value_error_marks_the_checkpoint_invalid_not_fatal(tmp_path, caplog):
+@pytest.mark.parametrize("error", [ValueError("not a number"), PermissionError(13, "Permission denied")])
+def test_a_validator_that_raises_value_error_marks_the_checkpoint_invalid_not_fatal(tmp_path, caplog, error):
     commit(CheckpointWriter(tmp_path), 1)
 
     def validate(path):
         if path.name == ck(1):
-            raise ValueError("not a number")
+            raise error
 
     with caplog.at_level(logging.WARNING, logger="shoal.checkpoint_store"):
         commit(CheckpointWriter(tmp_path, keep=2, validate=validate), 2)
@@ -186,6 +194,58 @@ def test_abort_after_the_temp_dir_was_cleaned_up_is_quiet(tmp_path):
     stale.abort()
 
 
+def test_a_commit_removes_temp_dirs_of_its_own_and_older_steps_and_keeps_newer_ones(tmp_path):
+    crashed = [CheckpointWriter(tmp_path).begin(step) for step in (4, 5, 6)]   # writers that died mid-write
+    commit(CheckpointWriter(tmp_path), 5, replace=True)
+    assert [p.tmp.exists() for p in crashed] == [False, False, True]
+
+
+def test_a_leftover_temp_entry_that_cannot_be_removed_does_not_fail_the_commit(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    (root / ".tmp-ckpt-1-stale").symlink_to(elsewhere, target_is_directory=True)   # rmtree refuses a link
+    assert commit(CheckpointWriter(root), 2) == root / ck(2)
+    assert load_latest(root).step == 2 and elsewhere.is_dir()
+
+
+def test_meta_that_is_not_strict_json_is_refused_and_the_checkpoint_stays_pending(tmp_path):
+    pending = CheckpointWriter(tmp_path).begin(1)
+    pending.write_shard(state())
+    with pytest.raises(InvalidArgument, match="not JSON-able"):
+        pending.commit(LAYOUT, 1, {"loss": math.nan})       # NaN is not JSON: other readers would choke
+    assert names(tmp_path) == []
+    assert pending.commit(LAYOUT, 1, {"loss": 1.5}) == tmp_path / ck(1)
+    assert json.loads((tmp_path / ck(1) / "manifest.json").read_text())["meta"] == {"loss": 1.5}
+
+
+def test_a_bad_optimizer_is_refused_naming_the_shard(tmp_path):
+    pending = CheckpointWriter(tmp_path).begin(1)
+    with pytest.raises(InvalidArgument, match=r"^shard 0: .*nosuch"):
+        pending.write_shard(ShardState(0, 0, N, torch.zeros(N), "nosuch", {"lr": 0.1}, {}))
+
+
+def test_more_shards_than_elements_leave_empty_shards_that_save_and_load(tmp_path):
+    plan = ShardPlan(N, N + 2)              # ShardPlan gives the last two shards no elements
+    assert plan.ranges[-1][0] == plan.ranges[-1][1]
+    pending = CheckpointWriter(tmp_path).begin(1)
+    for k, (a, b) in enumerate(plan.ranges):
+        pending.write_shard(state(k, a, b))
+    pending.commit(LAYOUT, plan.num_shards, {})
+    ckpt = load_latest(tmp_path)
+    assert ckpt.num_shards == N + 2 and torch.equal(ckpt.flat_values(), torch.arange(N, dtype=torch.float32))
+
+
+def test_a_shard_of_a_larger_tensor_saves_only_its_own_elements(tmp_path):
+    big = torch.arange(1 << 18, dtype=torch.float32)        # 1 MiB of storage, the shard a view of 6 elements
+    pending = CheckpointWriter(tmp_path).begin(1)
+    pending.write_shard(ShardState(0, 0, N, big[10:10 + N], "sgd", {"lr": 0.1}, {}))
+    assert pending.entry(0)["bytes"] < 64 * 1024
+    pending.commit(LAYOUT, 1, {})
+    assert torch.equal(load_latest(tmp_path).flat_values(), big[10:10 + N])
+
+
 def test_add_entry_refuses_a_file_that_is_not_there(tmp_path):
     pending = CheckpointWriter(tmp_path).begin(1)
     entry = {"shard": 0, "start": 0, "stop": N, "file": "shard-00000.pt", "sha256": "0" * 64, "bytes": 1,
@@ -203,7 +263,7 @@ def test_messages_name_the_expected_counts(tmp_path):
         pending.commit(LAYOUT, 3, {})
 
 
-@pytest.mark.parametrize("shard,start,stop", [(-1, 0, N), (0, -2, 1)])
+@pytest.mark.parametrize("shard,start,stop", [(-1, 0, N), (0, -2, 1), (0, -1, 1)])
 def test_a_negative_shard_or_start_is_refused(tmp_path, shard, start, stop):
     pending = CheckpointWriter(tmp_path).begin(1)
     with pytest.raises(InvalidArgument, match="bad range"):
@@ -230,6 +290,46 @@ def test_failures_count_from_one_and_afresh_after_a_newer_success(tmp_path):
     commit(CheckpointWriter(tmp_path), 5)
     record_failure(tmp_path, 6, "again")
     assert read_failure(tmp_path)["failures"] == 1
+
+
+def test_a_success_at_the_failed_step_counts_afresh_and_a_failure_after_it_counts_on(tmp_path):
+    commit(CheckpointWriter(tmp_path), 3)
+    record_failure(tmp_path, 5, "disk full")
+    record_failure(tmp_path, 5, "disk full")
+    commit(CheckpointWriter(tmp_path), 5)           # the retry of step 5 (the job's last) succeeded
+    record_failure(tmp_path, 6, "again")
+    assert (read_failure(tmp_path)["step"], read_failure(tmp_path)["failures"]) == (6, 1)
+    record_failure(tmp_path, 6, "again")
+    assert read_failure(tmp_path)["failures"] == 2
+    tmp_path2 = tmp_path / "b"
+    commit(CheckpointWriter(tmp_path2), 5)          # a success, then two failed attempts at its step
+    record_failure(tmp_path2, 5, "refused")
+    record_failure(tmp_path2, 5, "refused")
+    assert read_failure(tmp_path2)["failures"] == 2
+    (tmp_path2 / "failed.json").write_text('{"step": 5, "at": "noon", "failures": 4}')   # a hand-edited record
+    record_failure(tmp_path2, 7, "refused")
+    assert (read_failure(tmp_path2)["step"], read_failure(tmp_path2)["failures"]) == (7, 5)
+
+
+@pytest.mark.parametrize("manifest", ["{not json", '{"step": 5}', '{"created": null}', "/proc/self/mem"])
+def test_a_success_whose_manifest_cannot_be_read_does_not_stop_a_failure_being_counted(tmp_path, manifest):
+    record_failure(tmp_path, 5, "disk full")
+    path = commit(CheckpointWriter(tmp_path), 5) / "manifest.json"
+    path.unlink()
+    if manifest.startswith("/"):                   # a regular file whose read fails (EIO at offset 0)
+        if not Path(manifest).is_file():
+            pytest.skip(f"no {manifest} here")
+        path.symlink_to(manifest)
+    else:
+        path.write_text(manifest)
+    record_failure(tmp_path, 5, "disk full")       # which came first is unknown: the failures count on
+    assert read_failure(tmp_path)["failures"] == 2
+
+
+def test_a_failure_is_recorded_under_a_root_not_created_yet(tmp_path):
+    root = tmp_path / "job" / "ckpts"              # the first checkpoint failed before anything was written
+    record_failure(root, 3, "disk full")
+    assert read_failure(root)["step"] == 3 and read_failure(root)["failures"] == 1
 
 
 def test_recording_a_failure_where_nothing_can_be_written_is_a_warning(tmp_path, caplog):
@@ -269,6 +369,26 @@ def test_optimizer_tensors_of_different_lengths_are_refused():
     with pytest.raises(InvalidArgument, match="differ in length"):
         opt_state_from_flat("adam", {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(4)}, {"step": 1.0},
                             {"lr": 0.01})
+
+
+def test_an_amsgrad_state_restores_an_amsgrad_optimizer():
+    """``adam`` does not carry amsgrad as a hyper-parameter: the saved ``max_exp_avg_sq`` turns it on."""
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+    opt = torch.optim.Adam([p], lr=0.1, amsgrad=True)
+    for g in (torch.ones(4), -3 * torch.ones(4)):
+        p.grad = g
+        opt.step()
+    tensors, scalars = opt_state_to_flat(opt.state_dict())
+    assert "max_exp_avg_sq" in tensors
+    restored = opt_state_from_flat("adam", tensors, scalars, {"lr": 0.1})
+    assert restored["param_groups"][0]["amsgrad"] is True
+    q = torch.nn.Parameter(p.detach().clone())
+    fresh = torch.optim.Adam([q], lr=0.1)
+    fresh.load_state_dict(restored)
+    for o, x in ((opt, p), (fresh, q)):
+        x.grad = torch.full((4,), 0.5)
+        o.step()
+    assert torch.equal(q, p)
 
 
 def _stepped(opt_cls, **kw):
