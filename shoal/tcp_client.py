@@ -46,6 +46,7 @@ class TcpDataChannel:
         self._busy: set[socket.socket] = set()     # in a call now: close() cuts them short
         self._lock = threading.Lock()
         self._closed = False
+        self._retiring = False    # the view moved the shard away: connections close as their calls end
 
     @property
     def idle_connections(self) -> int:
@@ -86,6 +87,17 @@ class TcpDataChannel:
                 s.shutdown(socket.SHUT_RDWR)     # wakes the thread blocked in recv/send; it closes the socket
             except OSError:
                 pass
+
+    def retire(self) -> None:
+        """The view moved the shard away from this server: closes the idle connections now and each busy
+        one as its call ends, so a server leaving on purpose sees its peers go as soon as they follow the
+        view (it waits for that, ``DataChannelServer.drain``). Calls may still be made until :meth:`close`."""
+        with self._lock:
+            self._retiring, idle, self._idle = True, self._idle, []
+            for s in idle:
+                self._opened_as.pop(s, None)
+        for s in idle:
+            s.close()
 
     def call(self, fn: Callable[[socket.socket], T], timeout_s: float) -> T:
         """Runs ``fn`` on an idle connection (or a new one) with ``timeout_s`` per socket wait."""
@@ -138,7 +150,7 @@ class TcpDataChannel:
         """Puts a good connection back for the next call (closed instead once the channel is)."""
         with self._lock:
             self._busy.discard(sock)
-            if not self._closed:
+            if not self._closed and not self._retiring:
                 self._idle.append(sock)
                 return
             self._opened_as.pop(sock, None)

@@ -105,6 +105,12 @@ class ShardClient:
             self._tcp.close()
         self.channel.close()
 
+    def retire(self) -> None:
+        """The view moved the shard away: its data connections close as their calls end (see
+        :meth:`TcpDataChannel.retire`); :meth:`close` follows after a grace."""
+        if self._tcp is not None:
+            self._tcp.retire()
+
     def _data_channel(self) -> TcpDataChannel | None:
         """The TCP data channel, negotiated on first use: None if the ps offers none or it cannot be reached
         (then gRPC carries the data). A ps that does not answer raises (the caller fails over)."""

@@ -103,6 +103,7 @@ class ShardRoutes:
         path, instead of its own timeout. A call that outlasts the grace on a server that did leave is
         re-sent to the new primary with its key: a duplicate there at worst, never a loss."""
         self._retired.append(client)
+        client.retire()     # idle connections close now: a server leaving on purpose waits for that
         timer = threading.Timer(min(RETIRE_GRACE_S, max(self.chief.lease_seconds, 0.1)), client.close)
         timer.daemon = True
         timer.start()

@@ -106,6 +106,24 @@ def test_a_named_peer_that_drops_its_connection_is_reported(ps):
     assert lost == ["worker-3"]
 
 
+def test_a_retired_client_closes_each_connection_as_its_call_ends_and_the_server_drains(ps):
+    host, channel, c, _ = ps
+    c.pull(torch.empty(N))                                   # one idle connection
+    assert not channel.drain(0.05)
+    got: list[int] = []
+    waiting = threading.Thread(target=lambda: got.append(c.pull(torch.empty(N), min_version=1, timeout_s=10)[0]))
+    waiting.start()                                          # a second connection, busy until version 1
+    wait_until(lambda: c.tcp.idle_connections == 0, timeout_s=5, what="the pull to take the idle connection")
+    c.pull(torch.empty(N))                                   # a third, back to idle
+    c.retire()                                               # the view moved the shard away
+    assert c.tcp.idle_connections == 0 and not c.closed
+    assert not channel.drain(0.2), "the busy pull's connection closed before its call ended"
+    assert push(c, torch.ones(N), "k")[0].accepted           # a call may still be made (on a new connection)
+    waiting.join(timeout=10)
+    assert got == [1]
+    assert channel.drain(5), "connections were kept open after their calls ended"
+
+
 def test_a_ps_that_closes_its_channel_fails_calls_as_unavailable(ps):
     _, channel, c, _ = ps
     c.pull(torch.empty(N))
