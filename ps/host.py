@@ -114,12 +114,15 @@ class ShardHost:
     def get(self, shard: int) -> Shard:
         """The primary copy of ``shard`` for a worker's call; the errors tell the worker what to do."""
         s = self.shards.get(shard)
-        role = self.roles.get(shard)
+        if s is not None and not s.fenced and self.roles.get(shard) == PRIMARY:
+            return s                        # the hot path reads without the lock
+        with self._lock:                    # anything else is judged on a state no view is half-way through
+            s, role, assigned = self.shards.get(shard), self.roles.get(shard), shard in self.assigned
         if role == BACKUP:
             raise FailedPrecondition(f"this ps is {NOT_PRIMARY} of shard {shard} (it holds its backup); "
                                      f"the primary is {self.primary_of.get(shard, '?')}")
         if s is None:
-            if shard in self.assigned:
+            if assigned:
                 raise FailedPrecondition(f"shard {shard} is not initialised yet")
             if self.leaving:            # its calls are answered until the workers follow the view
                 raise FailedPrecondition(f"this ps is {NOT_PRIMARY} of shard {shard}: it is leaving the job and "

@@ -190,3 +190,23 @@ def test_a_primary_killed_before_its_backup_holds_a_whole_copy_is_not_replaced_b
     finally:
         t._pool.shutdown(wait=False)
         t.chief.close()
+
+
+def test_a_call_that_arrives_while_the_view_drops_the_copy_is_told_to_follow_the_view(primary):
+    """A leaving ps whose copy the view was half-way through dropping (the copy gone, the shard still named
+    its own) answered "not initialised yet", which a worker takes for a shard that lost its state: it
+    re-initialised it elsewhere from its own weights (CI, planned leave, async, 1 run in 20)."""
+    h, shard = primary("async")
+    h.leaving = True
+    r = h.replicators[0]
+    entered, release, close = threading.Event(), threading.Event(), r.close
+    r.close = lambda: (entered.set(), release.wait(5), close())     # the drop holds here, mid-way
+    view = in_thread(lambda: promoted_view(h))
+    assert entered.wait(5)
+    call = in_thread(lambda: h.get(0))
+    time.sleep(0.1)
+    release.set()
+    view["thread"].join(5)
+    call["thread"].join(5)
+    assert isinstance(call.get("error"), FailedPrecondition), call
+    assert NOT_PRIMARY in str(call["error"]) and "not initialised" not in str(call["error"])
