@@ -316,7 +316,7 @@ class Trainer(ShardExchange):
         group = self._current_group(batches)
         samples = samples or sum(b.stop - b.start for b in group)
         versions = self._step_versions if early else dict(self.versions)
-        futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
+        futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._push_order()}
         by_shard = self._push_then_pull(futures, versions)
         self.staging.before_compute()
         self.buffers.load(self.flat_weights)
