@@ -185,6 +185,8 @@ def main() -> None:
                    help="shards (blocks) of the model, one case per value (default: one per server)")
     p.add_argument("--push-window", type=int, nargs="+", default=[0],
                    help="pushes unanswered at once per worker (0: all at once), one case per value")
+    p.add_argument("--pipelines", nargs="+", metavar="SHARDS:WINDOW", default=None,
+                   help="(shards, window) pairs to run instead of every --num-shards x --push-window pair")
     args = p.parse_args()
     args.ps = args.ps or args.workers
     args.num_shards = args.num_shards or [args.ps]
@@ -198,7 +200,8 @@ def run_cases(args: argparse.Namespace, place: Placement) -> None:
     """Each round runs DDP and then every case; a case's ratio is to the DDP of its own round, and the
     median over rounds is reported (this host's speed drifts by a third between minutes)."""
     link = {"link": args.link or "loopback"}
-    pipes = [(n, w) for n in args.num_shards for w in args.push_window]
+    pipes = [(n, w) for n in args.num_shards for w in args.push_window] if not args.pipelines else \
+        [tuple(int(v) for v in pair.split(":")) for pair in args.pipelines]
     cases = [(c, 1, m, n, w) for c in args.codecs + args.also for m in args.security for n, w in pipes] + \
         [(c, 2, m, n, w) for c in args.replicated for m in args.security for n, w in pipes]
     ddp_rates: list[float] = []
