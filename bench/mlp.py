@@ -24,10 +24,10 @@ every codec runs once per (shards, window) pair, so pipelining on and off meet D
 round. ``--workers N`` runs N workers and N DDP ranks (``--ps``: servers, default N); ``--mode sync``
 runs the shoal cases in sync rounds:
 
-    .venv/bin/python bench/mlp.py --link 1gbit --codecs none --also bf16/bf16 --replicated \
-        --num-shards 2 8 --push-window 0 1
-    .venv/bin/python bench/mlp.py --link 1gbit --workers 4 --codecs none --also --replicated \
-        --num-shards 4 16 --push-window 0 1
+    .venv/bin/python bench/mlp.py --link 1gbit --codecs none topk --also bf16/bf16 --replicated --pipelines 2:0 32:2
+    .venv/bin/python bench/mlp.py --link 1gbit --workers 4 --codecs none --also --replicated --pipelines 4:0 32:2
+
+``--pipelines SHARDS:WINDOW ...`` names the pairs instead of taking every --num-shards x --push-window pair.
 """
 from __future__ import annotations
 
