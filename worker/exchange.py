@@ -335,16 +335,18 @@ class ShardExchange:
                     min_version = min(min_version, reply.version)
                 continue                          # pull from the client that took it
             try:
-                version, got = client.pull(buf, min_version, self.pull_codec, since=since,
-                                           wait_s=EARLY_WAIT_S if relax is not None else None)
+                turn = {} if relax is None else {"wait_s": EARLY_WAIT_S}
+                version, got = client.pull(buf, min_version, self.pull_codec, since=since, **turn)
                 if client is not self._clients[shard] and self._open_pushes.get(shard):
                     since = None                  # moved while pulling: the open pushes go there first
                     continue
                 self._confirm_open(shard, version)
                 break
             except grpc.RpcError as exc:
-                since = None                      # buf may be partly written: the next try pulls it whole
+                held, since = since, None         # buf may be partly written: the next try pulls it whole
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if relax is not None and "waiting for" in (exc.details() or ""):
+                        since = held              # the ps's wait ran out before it sent a byte
                     lower = relax() if relax is not None else None
                     if lower is not None:
                         min_version = min(min_version, lower)

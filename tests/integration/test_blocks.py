@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_threads, wait_until
+from shoal.proto import shoal_pb2 as pb
 from shoal.worker import Trainer
 
 from test_cluster import assert_exactly_once, data, mlp
@@ -116,9 +117,12 @@ def test_workers_push_to_different_servers_first(cluster_factory):
     models = [mlp(0), mlp(0)]
     trainers = [Trainer(m, chief=c.chief_address, push_window=1, overlap=False) for m in models]
     try:
+        # ranks come from the view: both workers must see both (the last steps may not: one has left)
+        wait_until(lambda: all(sum(m.role == pb.WORKER for m in t.chief.view.members) == 2 for t in trainers),
+                   timeout_s=10, what="both workers in both views")
         run_threads(*[lambda t=t, m=m: train(t, m, x, y, 1) for t, m in zip(trainers, models)])
         where = servers_of(c, range(4))
-        orders = {tuple(t.push_orders[-1]) for t in trainers}
+        orders = {tuple(t.push_orders[0]) for t in trainers}
         assert len(orders) == 2
         for i in range(4):
             assert len({where[o[i]] for o in orders}) == 2, f"both workers push to one server at position {i}"
