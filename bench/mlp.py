@@ -72,7 +72,7 @@ def _loop(step, seconds: float, warmup: int = 3) -> float:
 
 
 def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
-                  out: mp.Queue, push_window: int = 0) -> None:
+                  out: mp.Queue, push_window: int = 0, tasks: bool = False) -> None:
     enter(namespace)
     torch.set_num_threads(1)
     from shoal.worker import Trainer
@@ -87,7 +87,22 @@ def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str
         F.mse_loss(model(x), y).backward()
         trainer.step(samples=len(x))
 
+    if tasks:
+        # sync rounds wait for the busy workers, those holding a data task: without tasks every
+        # push would close its own round. The same random batches, taken through the chief's tasks.
+        g = torch.Generator().manual_seed(0)
+        data = (torch.randn(32 * 16, 2048, generator=g), torch.randn(32 * 16, 2048, generator=g))
+        batches = trainer.batches(data, batch_size=32, epochs=1000, batches_per_task=4)
+
+        def step(x, y):                                   # noqa: F811 - the sync variant
+            xb, yb = next(batches)
+            trainer.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            trainer.step()
+
     rate = _loop(step, seconds)
+    if tasks:
+        batches.close()
     c = trainer.counters
     out.put((rate, c.bytes_pushed / max(1, c.steps), c.bytes_pulled / max(1, c.steps)))
     trainer.close()
@@ -147,7 +162,7 @@ def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, rep
                  num_shards=num_shards) as servers:
         out, barrier = ctx.Queue(), ctx.Barrier(workers + 1)
         procs = [ctx.Process(target=_shoal_worker, args=(place.namespace(f"w{i}"), servers.chief, codec, pull_codec,
-                                                         seconds, barrier, out, push_window))
+                                                         seconds, barrier, out, push_window, mode == "sync"))
                  for i in range(workers)]
         for p in procs:
             p.start()
