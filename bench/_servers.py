@@ -16,7 +16,7 @@ class Servers:
     """The chief runs as role ``chief``, the servers as ``ps0``, ``ps1``... of ``place`` (default: loopback)."""
 
     def __init__(self, num_ps: int, mode: str = "async", extra_chief: tuple[str, ...] = (),
-                 place: Placement | None = None):
+                 place: Placement | None = None, num_shards: int | None = None):
         place = place or Placement()
         self.tmp = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
         self.procs: list[subprocess.Popen] = []
@@ -26,7 +26,7 @@ class Servers:
         self.procs.append(subprocess.Popen(
             [*place.prefix("chief"), sys.executable, "-m", "shoal.cli", "--log-level", "warning", "chief",
              "--bind", f"{place.address('chief')}:0",
-             "--port-file", str(port_file), "--num-shards", str(num_ps), "--mode", mode, *extra_chief],
+             "--port-file", str(port_file), "--num-shards", str(num_shards or num_ps), "--mode", mode, *extra_chief],
             stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text().strip()):

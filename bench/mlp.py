@@ -18,6 +18,16 @@ is the bottleneck.
     .venv/bin/python bench/mlp.py [--seconds 10] [--rounds 3] [--codecs none bf16 topk ...] [--also bf16/bf16 ...]
     .venv/bin/python bench/mlp.py --link 1gbit --codecs none bf16 topk --also bf16/bf16 topk/bf16 --replicated
     .venv/bin/python bench/mlp.py --seconds 4 --rounds 1 --codecs none --also --security none token tls
+
+Pipelining (issue 16, worker/pipeline.py): ``--num-shards`` and ``--push-window`` take lists, and
+every codec runs once per (shards, window) pair, so pipelining on and off meet DDP in the same
+round. ``--workers N`` runs N workers and N DDP ranks (``--ps``: servers, default N); ``--mode sync``
+runs the shoal cases in sync rounds:
+
+    .venv/bin/python bench/mlp.py --link 1gbit --codecs none topk --also bf16/bf16 --replicated --pipelines 2:0 32:2
+    .venv/bin/python bench/mlp.py --link 1gbit --workers 4 --codecs none --also --replicated --pipelines 4:0 32:2
+
+``--pipelines SHARDS:WINDOW ...`` names the pairs instead of taking every --num-shards x --push-window pair.
 """
 from __future__ import annotations
 
@@ -37,7 +47,11 @@ import torch.nn.functional as F
 import _security
 from _hosts import Placement, enter
 
-ROLES = ["chief", "ps0", "ps1", "w0", "w1", "r0", "r1"]
+
+
+def roles(workers: int, ps: int) -> list[str]:
+    return ["chief", *(f"ps{i}" for i in range(ps)), *(f"w{i}" for i in range(workers)),
+            *(f"r{i}" for i in range(workers))]
 
 
 def build() -> torch.nn.Module:
@@ -58,13 +72,14 @@ def _loop(step, seconds: float, warmup: int = 3) -> float:
 
 
 def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
-                  out: mp.Queue) -> None:
+                  out: mp.Queue, push_window: int = 0, tasks: bool = False) -> None:
     enter(namespace)
     torch.set_num_threads(1)
     from shoal.worker import Trainer
 
     model = build()
-    trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec, pull_codec=pull_codec)
+    trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec, pull_codec=pull_codec,
+                      push_window=push_window)
     barrier.wait()
 
     def step(x, y):
@@ -72,21 +87,36 @@ def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str
         F.mse_loss(model(x), y).backward()
         trainer.step(samples=len(x))
 
+    if tasks:
+        # sync rounds wait for the busy workers, those holding a data task: without tasks every
+        # push would close its own round. The same random batches, taken through the chief's tasks.
+        g = torch.Generator().manual_seed(0)
+        data = (torch.randn(32 * 16, 2048, generator=g), torch.randn(32 * 16, 2048, generator=g))
+        batches = trainer.batches(data, batch_size=32, epochs=1000, batches_per_task=4)
+
+        def step(x, y):                                   # noqa: F811 - the sync variant
+            xb, yb = next(batches)
+            trainer.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            trainer.step()
+
     rate = _loop(step, seconds)
+    if tasks:
+        batches.close()
     c = trainer.counters
     out.put((rate, c.bytes_pushed / max(1, c.steps), c.bytes_pulled / max(1, c.steps)))
     trainer.close()
 
 
 def _ddp_worker(namespace: str | None, interface: str, rank: int, store: str, seconds: float,
-                out: mp.Queue) -> None:
+                out: mp.Queue, world: int = 2) -> None:
     enter(namespace)
     if namespace is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = torch.nn.parallel.DistributedDataParallel(build())
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -99,12 +129,12 @@ def _ddp_worker(namespace: str | None, interface: str, rank: int, store: str, se
     dist.destroy_process_group()
 
 
-def run_ddp(seconds: float, place: Placement) -> float:
+def run_ddp(seconds: float, place: Placement, world: int = 2) -> float:
     store = Path(tempfile.mkdtemp(prefix="shoal-ddp-")) / "store"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_ddp_worker, args=(place.namespace(f"r{r}"), place.interface(f"r{r}"), r, str(store),
-                                                   seconds, out)) for r in range(2)]
+                                                   seconds, out, world)) for r in range(world)]
     for p in procs:
         p.start()
     rates = [out.get(timeout=300) for _ in procs]
@@ -120,22 +150,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, replicas: int = 1
-              ) -> tuple[tuple, dict]:
+def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, replicas: int = 1,
+              workers: int = 2, ps: int = 2, num_shards: int | None = None, push_window: int = 0,
+              mode: str = "async") -> tuple[tuple, dict]:
     """(steps/s, push bytes/step, pull bytes/step) averaged over the workers, and the cores each
     process used in the middle of the timed window."""
     from _servers import Servers
 
     ctx = mp.get_context("spawn")
-    with Servers(2, mode="async", extra_chief=("--replicas", str(replicas)), place=place) as servers:
-        out, barrier = ctx.Queue(), ctx.Barrier(3)
+    with Servers(ps, mode=mode, extra_chief=("--replicas", str(replicas)), place=place,
+                 num_shards=num_shards) as servers:
+        out, barrier = ctx.Queue(), ctx.Barrier(workers + 1)
         procs = [ctx.Process(target=_shoal_worker, args=(place.namespace(f"w{i}"), servers.chief, codec, pull_codec,
-                                                         seconds, barrier, out)) for i in range(2)]
+                                                         seconds, barrier, out, push_window, mode == "sync"))
+                 for i in range(workers)]
         for p in procs:
             p.start()
         barrier.wait()
-        pids = {"chief": servers.procs[0].pid, "ps0": servers.procs[1].pid, "ps1": servers.procs[2].pid,
-                "worker0": procs[0].pid, "worker1": procs[1].pid}
+        pids = {"chief": servers.procs[0].pid, **{f"ps{i}": servers.procs[1 + i].pid for i in range(ps)},
+                **{f"worker{i}": p.pid for i, p in enumerate(procs)}}
         time.sleep(seconds * 0.25)            # past the warm-up steps
         before, t0 = {k: cpu_seconds(p) for k, p in pids.items()}, time.monotonic()
         time.sleep(seconds * 0.5)
@@ -143,7 +176,7 @@ def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, rep
         results = [out.get(timeout=300) for _ in procs]
         for p in procs:
             p.join()
-    return tuple(sum(r[i] for r in results) / 2 for i in range(3)), cores
+    return tuple(sum(r[i] for r in results) / workers for i in range(3)), cores
 
 
 def main() -> None:
@@ -160,10 +193,21 @@ def main() -> None:
                    help="run every shoal case once per mode (token; tls: token and mutual TLS)")
     p.add_argument("--link", metavar="RATE", help="run every process on its own emulated host whose link is "
                                                    "shaped to RATE each way (tc syntax, e.g. 1gbit; needs root)")
+    p.add_argument("--workers", type=int, default=2, help="shoal workers, and DDP ranks (default 2)")
+    p.add_argument("--ps", type=int, default=None, help="parameter servers (default: as many as --workers)")
+    p.add_argument("--mode", default="async", choices=["async", "sync"], help="the shoal cases' mode")
+    p.add_argument("--num-shards", type=int, nargs="+", default=None,
+                   help="shards (blocks) of the model, one case per value (default: one per server)")
+    p.add_argument("--push-window", type=int, nargs="+", default=[0],
+                   help="pushes unanswered at once per worker (0: all at once), one case per value")
+    p.add_argument("--pipelines", nargs="+", metavar="SHARDS:WINDOW", default=None,
+                   help="(shards, window) pairs to run instead of every --num-shards x --push-window pair")
     args = p.parse_args()
+    args.ps = args.ps or args.workers
+    args.num_shards = args.num_shards or [args.ps]
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with Placement(ROLES if args.link else None, args.link) as place:
+    with Placement(roles(args.workers, args.ps) if args.link else None, args.link) as place:
         run_cases(args, place)
 
 
@@ -171,27 +215,34 @@ def run_cases(args: argparse.Namespace, place: Placement) -> None:
     """Each round runs DDP and then every case; a case's ratio is to the DDP of its own round, and the
     median over rounds is reported (this host's speed drifts by a third between minutes)."""
     link = {"link": args.link or "loopback"}
-    cases = [(c, 1, m) for c in args.codecs + args.also for m in args.security] + \
-        [(c, 2, m) for c in args.replicated for m in args.security]
+    pipes = [(n, w) for n in args.num_shards for w in args.push_window] if not args.pipelines else \
+        [tuple(int(v) for v in pair.split(":")) for pair in args.pipelines]
+    cases = [(c, 1, m, n, w) for c in args.codecs + args.also for m in args.security for n, w in pipes] + \
+        [(c, 2, m, n, w) for c in args.replicated for m in args.security for n, w in pipes]
     ddp_rates: list[float] = []
-    runs: dict[tuple[str, int, str], list] = {case: [] for case in cases}
+    runs: dict[tuple, list] = {case: [] for case in cases}
     for _ in range(args.rounds):
-        ddp = run_ddp(args.seconds, place)
+        ddp = run_ddp(args.seconds, place, args.workers)
         ddp_rates.append(ddp)
-        for spec, replicas, mode in cases:
+        for case in cases:
+            spec, replicas, mode, shards, window = case
             codec, _, pull_codec = spec.partition("/")
             _security.use(mode)
-            (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas)
-            runs[(spec, replicas, mode)].append((rate / ddp, rate, pushed, pulled, cores))
+            (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas,
+                                                      args.workers, args.ps, shards, window, args.mode)
+            runs[case].append((rate / ddp, rate, pushed, pulled, cores))
         _security.use("none")
-    print(json.dumps({"case": "ddp-gloo", "workers": 2, **link, "steps_per_s": round(statistics.median(ddp_rates), 2),
+    print(json.dumps({"case": "ddp-gloo", "workers": args.workers, **link,
+                      "steps_per_s": round(statistics.median(ddp_rates), 2),
                       "steps_per_s_per_round": [round(r, 2) for r in ddp_rates]}), flush=True)
-    for (spec, replicas, mode), results in runs.items():
+    for (spec, replicas, mode, shards, window), results in runs.items():
         codec, _, pull_codec = spec.partition("/")
-        name = f"shoal-async-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
-            ("-replicated" if replicas == 2 else "") + ("" if mode == "none" else f"-{mode}")
+        name = f"shoal-{args.mode}-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
+            ("-replicated" if replicas == 2 else "") + ("" if mode == "none" else f"-{mode}") + \
+            (f"-shards{shards}" if shards != args.ps else "") + (f"-window{window}" if window else "")
         ratio, rate, pushed, pulled, cores = sorted(results, key=lambda r: r[0])[len(results) // 2]
-        print(json.dumps({"case": name, "workers": 2, "ps": 2, "replicas": replicas, **link,
+        print(json.dumps({"case": name, "workers": args.workers, "ps": args.ps, "shards": shards,
+                          "push_window": window, "replicas": replicas, **link,
                           "steps_per_s": round(rate, 2), "push_bytes_per_step": int(pushed),
                           "pull_bytes_per_step": int(pulled), "ratio_vs_ddp": round(ratio, 2),
                           "ratio_per_round": [round(r[0], 2) for r in results], "cores_used": cores}), flush=True)

@@ -43,7 +43,7 @@ def cluster_factory():
     started: list[InProcessCluster] = []
 
     def make(num_ps: int = 2, **job) -> InProcessCluster:
-        c = InProcessCluster(num_ps, JobConfig(num_shards=num_ps, **job))
+        c = InProcessCluster(num_ps, JobConfig(**{"num_shards": num_ps, **job}))
         started.append(c)
         return c
 

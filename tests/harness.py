@@ -21,7 +21,7 @@ class InProcessCluster:
     def __init__(self, num_ps: int = 2, job: JobConfig | None = None, journal: str | None = None,
                  checkpoint=None):
         self.job = job or JobConfig(num_shards=num_ps)
-        if self.job.num_shards != num_ps:
+        if self.job.num_shards < num_ps:
             raise ValueError(f"job has {self.job.num_shards} shards but {num_ps} parameter servers were asked for")
         self.journal = journal
         self.checkpoint = checkpoint

@@ -11,9 +11,11 @@ per-shard bookkeeping (``versions``, ``_step_versions``, ``_held``, ``_sent``), 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 import torch
@@ -21,10 +23,12 @@ import torch
 from shoal.dataset import Task
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker import accumulate
+from shoal.worker.pipeline import Pipeline, push_order, window_from, worker_rank
 from shoal.worker.ps_client import is_uninitialised
 from shoal.worker.routes import is_failover, went_back
 
 log = logging.getLogger("shoal.worker.trainer")      # one logger for the worker's lines, as before
+EARLY_WAIT_S = 1.0     # sync, pulls started before the step's last push is answered: the ps's wait per turn
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,44 @@ class OpenPush:
 class ShardExchange:
     """Push, pull and their failover paths (see the module docstring)."""
 
+    def _init_pipeline(self, push_window: int | None) -> None:
+        """Sets up the step pipeline (worker/pipeline.py); called by ``Trainer.__init__``."""
+        self.push_window = window_from(push_window)
+        self._pipe = Pipeline(self._pool, self.push_window, self._on_push_answered)
+        self._early_pulls: dict[int, Future] = {}      # shard -> its pull, started when its push was answered
+        self._step_late = threading.Event()           # sync: a push of this step was dropped or a duplicate
+        self._open_lock = threading.Lock()            # guards _open_pushes (early pulls confirm them)
+        self.push_orders: list[list[int]] = []        # the order of the last steps' pushes (tests, debugging)
+
+    def _push_order(self) -> list[int]:
+        view = self.chief.view
+        workers = [m.member_id for m in view.members if m.role == pb.WORKER] if view is not None else []
+        return push_order(list(self._clients), {k: c.address for k, c in self._clients.items()},
+                          worker_rank(self.member_id, workers))
+
+    def _on_push_answered(self, shard: int, reply: pb.PushReply) -> None:
+        """On the thread that sent shard's push, as soon as it is answered: starts the shard's pull.
+
+        Async and ssp: at the version the push reached. Sync (with a push window only): when the
+        shard's round took this push, a pull of the round's result, which the ps sends the moment
+        that round closes, while this worker's later pushes still go up. Until every push of the step
+        is answered such a pull waits on the ps in short turns: if another shard turns out to have
+        dropped this step's push, it takes the version its push reached instead (see
+        :meth:`_push_then_pull` for why a late worker must not wait for rounds).
+        """
+        if self.mode != "sync":
+            self._early_pulls[shard] = self._pool.submit(self._pull_shard, shard, reply.version, True)
+        elif self.push_window and reply.accepted and not reply.duplicate and not self._step_late.is_set():
+            sent = self._sent.get(shard)
+            if sent is None:
+                return
+
+            def relax() -> int | None:
+                return reply.version if self._step_late.is_set() else None
+            self._early_pulls[shard] = self._pool.submit(self._pull_shard, shard, sent.version + 1, True, relax)
+        elif self.mode == "sync" and not (reply.accepted and not reply.duplicate):
+            self._step_late.set()
+
     def _push_then_pull(self, futures: dict[int, Future], versions: dict[int, int]) -> dict[int, pb.PushReply]:
         """Waits for the pushes and pulls every shard's new weights; returns the push replies.
 
@@ -74,29 +116,50 @@ class ShardExchange:
         while the other shards' pushes still go up. Sync waits for the rounds only when every shard
         took this step's gradient: a worker that was late somewhere (a backup-worker round closed
         without it) moves on at once instead, as waiting on the shards that did take it could
-        deadlock against workers late elsewhere.
+        deadlock against workers late elsewhere (a pull started early gives up its round then).
         """
-        if self.mode != "sync":
-            shard_of = {f: k for k, f in futures.items()}
-            replies, pulls = {}, []
-            for f in as_completed(shard_of):
-                k = shard_of[f]
-                replies[k] = f.result()
-                pulls.append(self._pool.submit(self._pull_shard, k, replies[k].version, True))
+        try:
+            try:
+                replies = {k: f.result() for k, f in futures.items()}
+            finally:
+                order = self._pipe.end()
+                if order:
+                    self.push_orders = (self.push_orders + [order])[-8:]
             self.clock.pushed_at = time.perf_counter()
-            for f in pulls:
+            pulls, self._early_pulls = self._early_pulls, {}
+            if self.mode != "sync":
+                for k, r in replies.items():
+                    if k not in pulls:
+                        pulls[k] = self._pool.submit(self._pull_shard, k, r.version, True)
+                for f in pulls.values():
+                    f.result()
+                return replies
+            in_round = all(r.accepted and not r.duplicate for r in replies.values())
+            if not in_round:
+                self._step_late.set()          # early pulls stop waiting for their rounds
+                for k, r in replies.items():
+                    if r.accepted and not r.duplicate and k in self._sent:
+                        with self._open_lock:
+                            self._open_pushes.setdefault(k, []).append(
+                                OpenPush(self._sent[k], self._clients[k], r.version))
+            for k in self._clients:
+                if k not in pulls:
+                    pulls[k] = self._pool.submit(self._pull_shard, k, versions[k] + 1 if in_round else
+                                                 replies[k].version, True)
+            for f in pulls.values():
                 f.result()
             return replies
-        replies = {k: f.result() for k, f in futures.items()}
-        self.clock.pushed_at = time.perf_counter()
-        in_round = all(r.accepted and not r.duplicate for r in replies.values())
-        if not in_round:
-            for k, r in replies.items():
-                if r.accepted and not r.duplicate and k in self._sent:
-                    self._open_pushes.setdefault(k, []).append(OpenPush(self._sent[k], self._clients[k], r.version))
-        list(self._pool.map(lambda k: self._pull_shard(k, versions[k] + 1 if in_round else replies[k].version,
-                                                       resend=True), list(self._clients)))
-        return replies
+        finally:
+            self._step_late.clear()
+
+    def _gather_grads(self) -> None:
+        """Copies any gradient autograd did not accumulate in place into the flat buffer."""
+        for p, g in zip(self._params, self._grad_views):
+            if p.grad is None:
+                g.zero_()
+            elif p.grad.data_ptr() != g.data_ptr():
+                g.copy_(p.grad)
+                p.grad = g
 
     def _current_group(self, n: int = 1) -> tuple[BatchContext, ...]:
         """The batches this step's push names: the one :meth:`batches` yielded, or the next ``n`` a
@@ -138,7 +201,8 @@ class ShardExchange:
         self.buffers.fill_deltas(self.flat_grads)    # the forward passes since the last pull moved them
         ready = self.staging.grads_ready()         # CUDA: where this thread's stream has the gradients
         hparams = self._hparams_source() if self._hparams_source is not None else None   # read here: main thread
-        return self._pool.submit(self._push, shard, version, self._key_base(), samples, group, ready, hparams)
+        args = (shard, version, self._key_base(), samples, group, ready, hparams)
+        return self._pipe.launch(shard, lambda: self._push(*args), self._push_order)
 
     def _push(self, shard: int, version: int, key_base: str, samples: int,
               group: tuple[BatchContext, ...], ready=None, hparams: dict[str, float] | None = None) -> pb.PushReply:
@@ -167,7 +231,8 @@ class ShardExchange:
         """Sends again the pushes of :class:`OpenPush` whose primary the shard has left since: the open round
         that held them went with it. The key keeps one that was applied from applying twice; one the new
         primary drops (its round closed without it) is handed back to the chief to be trained again."""
-        pending = self._open_pushes.pop(shard, [])
+        with self._open_lock:
+            pending = self._open_pushes.pop(shard, [])
         keep = []
         for p in pending:
             if p.client is self._clients[shard]:
@@ -184,18 +249,20 @@ class ShardExchange:
                 for b in back:
                     self._feed.drop(b.task.epoch, b.start, b.stop, b.task.task_id)
         if keep:
-            self._open_pushes[shard] = keep + self._open_pushes.get(shard, [])
+            with self._open_lock:
+                self._open_pushes[shard] = keep + self._open_pushes.get(shard, [])
 
     def _confirm_open(self, shard: int, version: int) -> None:
         """The shard's primary is at ``version``: the rounds that closed there applied the pushes they held."""
-        pending = self._open_pushes.get(shard)
-        if pending:
-            client = self._clients[shard]
-            left = [p for p in pending if not (p.client is client and version > p.at)]
-            if left:
-                self._open_pushes[shard] = left
-            else:
-                self._open_pushes.pop(shard, None)
+        with self._open_lock:
+            pending = self._open_pushes.get(shard)
+            if pending:
+                client = self._clients[shard]
+                left = [p for p in pending if not (p.client is client and version > p.at)]
+                if left:
+                    self._open_pushes[shard] = left
+                else:
+                    self._open_pushes.pop(shard, None)
 
     def _send(self, shard: int, p: "SentPush") -> pb.PushReply:
         """Sends (or, after a failover, re-sends) one encoded push; the key keeps it from applying twice."""
@@ -245,9 +312,12 @@ class ShardExchange:
         self.versions[shard] = self._step_versions[shard] = version
         return version
 
-    def _pull_shard(self, shard: int, min_version: int = 0, resend: bool = False) -> None:
+    def _pull_shard(self, shard: int, min_version: int = 0, resend: bool = False,
+                    relax: Callable[[], int | None] | None = None) -> None:
         """Pulls shard's weights at ``min_version`` or later. ``resend``: after a failover, push this
-        step's gradient again first (the new primary may not have it; if it has, the key says so)."""
+        step's gradient again first (the new primary may not have it; if it has, the key says so).
+        ``relax``: the ps waits for ``min_version`` in turns of :data:`EARLY_WAIT_S`; after each,
+        ``relax()`` may lower it (None: keep waiting)."""
         buf = self.staging.weights_target(shard)
         since = self._held.pop(shard, None) if self.delta_pulls else None
         while True:
@@ -265,16 +335,23 @@ class ShardExchange:
                     min_version = min(min_version, reply.version)
                 continue                          # pull from the client that took it
             try:
-                version, got = client.pull(buf, min_version, self.pull_codec, since=since)
+                turn = {} if relax is None else {"wait_s": EARLY_WAIT_S}
+                version, got = client.pull(buf, min_version, self.pull_codec, since=since, **turn)
                 if client is not self._clients[shard] and self._open_pushes.get(shard):
                     since = None                  # moved while pulling: the open pushes go there first
                     continue
                 self._confirm_open(shard, version)
                 break
             except grpc.RpcError as exc:
-                since = None                      # buf may be partly written: the next try pulls it whole
+                held, since = since, None         # buf may be partly written: the next try pulls it whole
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    log.info("shard %d: still waiting for version %d", shard, min_version)
+                    if relax is not None and "waiting for" in (exc.details() or ""):
+                        since = held              # the ps's wait ran out before it sent a byte
+                    lower = relax() if relax is not None else None
+                    if lower is not None:
+                        min_version = min(min_version, lower)
+                    elif relax is None:
+                        log.info("shard %d: still waiting for version %d", shard, min_version)
                     continue
                 if is_uninitialised(exc) and self._started:   # at start-up the caller initialises it
                     min_version = min(min_version, self._restart_shard(shard, exc))

@@ -176,13 +176,16 @@ class ShardClient:
 
     @_cancelled_once_closed
     def pull(self, out: torch.Tensor, min_version: int = 0, codec: str = "none",
-             timeout_s: float = 60, since: int | None = None) -> tuple[int, int]:
+             timeout_s: float = 60, since: int | None = None, wait_s: float | None = None) -> tuple[int, int]:
         """Fills ``out`` (this shard's fp32 slice) with the weights; returns (version, bytes received).
 
         ``since``: ``out`` holds the weights at that version, so over the TCP channel the ps may send
-        only the elements changed since. If the call fails, ``out`` may be partly written."""
+        only the elements changed since. ``wait_s``: how long the ps waits for ``min_version`` before
+        it answers DEADLINE_EXCEEDED (default: most of ``timeout_s``, which also bounds the transfer).
+        If the call fails, ``out`` may be partly written."""
         itemsize = pull_itemsize(codec)
-        req = pb.PullRequest(shard=self.shard, min_version=min_version, timeout_seconds=timeout_s * 0.9,
+        wait_s = timeout_s * 0.9 if wait_s is None else min(wait_s, timeout_s * 0.9)
+        req = pb.PullRequest(shard=self.shard, min_version=min_version, timeout_seconds=wait_s,
                              codec=codec, layout_fingerprint=self.fingerprint, since_version=since
                              ).SerializeToString()
         tcp = self._data_channel()

@@ -80,14 +80,16 @@ class Trainer(ShardExchange):
     that is much less (sparse updates: top-k pushes into server SGD without momentum or weight decay,
     as with momentum correction). ``momentum_correction``: with top-k and SGD with momentum, Adam
     or AdamW, a shard this worker creates leaves the momentum (or Adam's moments) to the workers
-    (:mod:`shoal.worker.momentum`).
+    (:mod:`shoal.worker.momentum`). ``push_window`` (default ``$SHOAL_PUSH_WINDOW`` or 0: no limit): at
+    most this many shard pushes unanswered at once, each shard's pull starting when its push is
+    answered (:mod:`shoal.worker.pipeline`; for slow links, with more shards than servers).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None,
                  optimizer: str | OptimizerSpec | None = None,
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
-                 ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None,
+                 ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None, push_window: int | None = None,
                  **hparams: float):
         tune_malloc()
         self.model = model
@@ -146,13 +148,14 @@ class Trainer(ShardExchange):
         self._clients = self.routes.clients
         self.delta_pulls = delta_pulls
         self._held: dict[int, int] = {}     # shard -> the version whose weights its pull buffer holds
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="shard")
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self._clients) + 1, thread_name_prefix="shard")  # pushes+pulls
         self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
         self._step_versions = dict(self.versions)
         self._sent: dict[int, SentPush] = {}
         self._sent_to: dict[int, object] = {}     # shard -> the client that answered its latest push
         self._open_pushes: dict[int, list] = {}     # shard -> OpenPush (worker/exchange.py)
+        self._init_pipeline(push_window)            # worker/pipeline.py
         self._readiness = GradReadiness(self._params, self._grad_views, self.param_layout, self.plan,
                                         self._launch_push) if overlap else None
         self._started = False
@@ -296,15 +299,6 @@ class Trainer(ShardExchange):
         for p in self._params:
             p.grad = None
 
-    def _gather_grads(self) -> None:
-        """Copies any gradient autograd did not accumulate in place into the flat buffer."""
-        for p, g in zip(self._params, self._grad_views):
-            if p.grad is None:
-                g.zero_()
-            elif p.grad.data_ptr() != g.data_ptr():
-                g.copy_(p.grad)
-                p.grad = g
-
     def step(self, samples: int = 0, loss: Any = None, batches: int = 1) -> None:
         """Pushes this step's gradients to every shard and pulls the new weights.
 
@@ -322,7 +316,7 @@ class Trainer(ShardExchange):
         group = self._current_group(batches)
         samples = samples or sum(b.stop - b.start for b in group)
         versions = self._step_versions if early else dict(self.versions)
-        futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._clients}
+        futures = {k: early.get(k) or self._launch_push(k, versions) for k in self._push_order()}
         by_shard = self._push_then_pull(futures, versions)
         self.staging.before_compute()
         self.buffers.load(self.flat_weights)

@@ -169,6 +169,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         os.environ["SHOAL_PULL_CODEC"] = args.pull_codec
     if args.transport:
         os.environ["SHOAL_TRANSPORT"] = args.transport
+    _push_window_env(args)
     os.environ.update(observe.worker_env(args))
     if args.connect_timeout is not None:
         if not args.connect_timeout > 0:
@@ -199,9 +200,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push_window_env(args: argparse.Namespace) -> None:
+    """``--push-window`` reaches the workers' Trainer as ``$SHOAL_PUSH_WINDOW`` (worker/pipeline.py)."""
+    if args.push_window is not None:
+        if args.push_window < 0:
+            raise InvalidArgument(f"--push-window must be >= 0 (0: every push at once), got {args.push_window}")
+        os.environ["SHOAL_PUSH_WINDOW"] = str(args.push_window)
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from shoal.cli.local import LocalConfig, run_local
 
+    _push_window_env(args)
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
@@ -378,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
                        help="carry pushes and pulls over the parameter servers' TCP data channel (tcp, the "
                             "default, when they offer one) or over gRPC")
+        p.add_argument("--push-window", type=int, default=None,
+                       help="pushes a worker leaves unanswered at once, each shard's pull starting when its push "
+                            "is answered (default: $SHOAL_PUSH_WINDOW or 0, every push at once); for slow "
+                            "links, with --num-shards well above the servers (bench/RESULTS.md, issue 16)")
         observe.add_args(p, alerts=True)
         p.add_argument("script", nargs="?", help="the training script (default: the job file's train.script)")
         p.add_argument("script_args", nargs=argparse.REMAINDER)

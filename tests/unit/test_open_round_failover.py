@@ -70,6 +70,7 @@ class Worker(ShardExchange):
         self.plan = SimpleNamespace(ranges={1: (0, 4)})
         self.encoder = SimpleNamespace(tag="none", encode=lambda k, grad, chunk: grad)
         self.momentum = SimpleNamespace(active=lambda k: False)
+        self._init_pipeline(0)
 
     def _count(self, **kw):
         pass
