@@ -236,11 +236,16 @@ class Shard:
             try:
                 self.replicator(update)
             except Exception as exc:
-                # the backup this copy kept in step was made primary (a planned move): routine, not an error
-                log.log(logging.INFO if HANDED_OVER in str(exc) else logging.ERROR,
+                # the backup this copy kept in step was made primary (a planned move), or the view dropped the
+                # copy as a planned move while the update was on its way (the fence names it first): routine,
+                # and the workers are told so, so they follow the view quietly and send the update there
+                handed = HANDED_OVER in str(exc) or HANDED_OVER in (self.fenced or "")
+                log.log(logging.INFO if handed else logging.ERROR,
                         "shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
                         self.shard_id, update.version, str(exc) or type(exc).__name__)
                 self._fence_locked(str(exc) or type(exc).__name__)
+                if handed and HANDED_OVER not in str(exc):
+                    self._check_not_fenced()
                 raise
             # The view may have dropped this copy while the update was on its way (fenced is set
             # without the lock, so that a replicator holding it cannot delay the view): not applied.

@@ -5,6 +5,7 @@ it at once, and applies nothing more.
 The backup is a fake at the replicator's choke point (``_send``), so the interleavings that lost
 acknowledged updates (issue 20) are played deterministically, without sockets or sleeps.
 """
+import logging
 import threading
 import time
 
@@ -14,7 +15,7 @@ import torch
 
 from harness import wait_until
 from shoal.config import JobConfig, OptimizerSpec
-from shoal.errors import NOT_PRIMARY, FailedPrecondition, NotFound, Unavailable
+from shoal.errors import HANDED_OVER, NOT_PRIMARY, FailedPrecondition, NotFound, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps import host as host_module
 from shoal.ps.replication import FENCED, Replicator
@@ -38,6 +39,7 @@ class FakeBackupReplicator(Replicator):
     """A replicator whose backup holds a copy at once and answers each update as ``answer`` says."""
 
     answer = "ok"            # ok | refuse | refuse when closed (the refusal and the view arrive together)
+    on_its_way: threading.Event | None = None       # set when an update reaches the fake backup
 
     def _install(self, gen: int) -> None:
         with self._lock:
@@ -45,8 +47,13 @@ class FakeBackupReplicator(Replicator):
                 self._state = "in_sync"
 
     def _send(self, stubs, u) -> int:
+        if self.on_its_way is not None:
+            self.on_its_way.set()
         if self.answer == "refuse when closed":
             self._stop.wait(10)            # on its way when the view drops the copy (close cancels it) ...
+        if self.answer == "held until closed":
+            self._stop.wait(10)            # the view drops the copy as a planned move while it is on its way
+            raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy was dropped")
         if self.answer.startswith("refuse"):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, REFUSED)   # ... and the backup refused it
         return u.version
@@ -210,3 +217,24 @@ def test_a_call_that_arrives_while_the_view_drops_the_copy_is_told_to_follow_the
     call["thread"].join(5)
     assert isinstance(call.get("error"), FailedPrecondition), call
     assert NOT_PRIMARY in str(call["error"]) and "not initialised" not in str(call["error"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_update_on_its_way_when_a_planned_move_drops_the_copy_sends_its_workers_on_quietly(primary, caplog, mode):
+    """A ps leaving on purpose (SIGTERM): the view hands its shard to the backup it kept in step while a
+    round's update is on its way there. Nothing is applied, and the workers are told it was handed over, so
+    they follow the view and re-send with no warning (planned leave, sync: an ERROR here and a failover)."""
+    h, shard = primary(mode)
+    h.leaving = True
+    h.replicators[0].answer = "held until closed"
+    h.replicators[0].on_its_way = threading.Event()
+    pushes = [in_thread(lambda w=w: shard.push(w, 0, torch.ones(4), key=f"k{w}")) for w in ("a", "b")]
+    assert h.replicators[0].on_its_way.wait(5), "no update reached the backup"
+    promoted_view(h)
+    for p in pushes:
+        p["thread"].join(5)
+    errors = [p.get("error") for p in pushes]
+    assert errors and all(isinstance(e, FailedPrecondition) and HANDED_OVER in str(e) for e in errors if e), pushes
+    assert any(errors), pushes
+    assert shard.version == 0 and shard.stats.updates == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
