@@ -66,7 +66,7 @@ def outcome(curve: Sequence[Point], target: float) -> dict:
             "seconds": None if hit is None else round(hit.seconds, 2),
             "steps": None if hit is None else hit.steps,
             "steps_all": None if hit is None else hit.steps_all,
-            "best_accuracy": max((p.accuracy for p in curve), default=None),
+            "best_accuracy": round(max(p.accuracy for p in curve), 4) if curve else None,
             "evals": len(curve),
             "curve": [[round(p.seconds, 2), round(p.accuracy, 4), p.steps_all] for p in curve]}
 
