@@ -24,17 +24,19 @@ Data: shoal's workers take their batches through the chief's tasks (``Trainer.ba
 same 32-sample batches, shuffled per epoch and dealt in turn (bench/_tta.py: ``rank_batches``).
 
 The clock starts when every process is ready (joined the job or the gloo group, model built) and counts
-wall time less the evaluations. Worker 0 (rank 0) evaluates its own model on the test split every
-``--eval-every`` of its steps (about that many times 64 samples on either side); the time between two
-evaluations bounds how late a crossing is seen. What stops while it evaluates, so that no training
-happens off the clock:
+wall time less the evaluations. Worker 0 (rank 0) evaluates the model it trains on (shoal: the weights
+of its last pull) on the test split every ``--eval-every`` of its steps (about that many times 64 samples
+on either side, with 2 processes); the time between two evaluations bounds how late a crossing is seen,
+and a case whose accuracy hovers near the target is noisy from round to round: take several rounds.
+What stops while it evaluates, so that no training happens off the clock:
 
 - DDP: every rank meets at a barrier after the evaluating step; the clock stops for the evaluation.
 - shoal sync: the other workers wait in the next round for worker 0's push (their step's compute and
   push overlap the evaluation: worker 0's own compute and push stay on the critical path).
 - shoal async: the other workers would train on, so worker 0 first holds them: each parks before its
   next step, and the clock stops only once all have parked. Worker 0's wait for them (at most a step of
-  theirs, while they train) stays on the clock: a cost to shoal of about 1/(4 x --eval-every) of its steps.
+  theirs, while they train) stays on the clock: with 2 workers, a cost to shoal of about
+  1/(4 x --eval-every) of its steps.
 """
 from __future__ import annotations
 
