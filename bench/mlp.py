@@ -37,21 +37,15 @@ import logging
 import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import _procs
 import _security
 from _hosts import Placement, enter
-
-
-
-def roles(workers: int, ps: int) -> list[str]:
-    return ["chief", *(f"ps{i}" for i in range(ps)), *(f"w{i}" for i in range(workers)),
-            *(f"r{i}" for i in range(workers))]
+from _procs import CTX, Rank, roles
 
 
 def build() -> torch.nn.Module:
@@ -71,7 +65,7 @@ def _loop(step, seconds: float, warmup: int = 3) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
+def _shoal_worker(namespace: str | None, index: int, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
                   out: mp.Queue, push_window: int = 0, tasks: bool = False) -> None:
     enter(namespace)
     torch.set_num_threads(1)
@@ -108,15 +102,10 @@ def _shoal_worker(namespace: str | None, chief: str, codec: str, pull_codec: str
     trainer.close()
 
 
-def _ddp_worker(namespace: str | None, interface: str, rank: int, store: str, seconds: float,
-                out: mp.Queue, world: int = 2) -> None:
-    enter(namespace)
-    if namespace is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
-    torch.set_num_threads(1)
+def _ddp_worker(rank: Rank, seconds: float, out: mp.Queue) -> None:
+    rank.join()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = torch.nn.parallel.DistributedDataParallel(build())
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -130,24 +119,11 @@ def _ddp_worker(namespace: str | None, interface: str, rank: int, store: str, se
 
 
 def run_ddp(seconds: float, place: Placement, world: int = 2) -> float:
-    store = Path(tempfile.mkdtemp(prefix="shoal-ddp-")) / "store"
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(place.namespace(f"r{r}"), place.interface(f"r{r}"), r, str(store),
-                                                   seconds, out, world)) for r in range(world)]
-    for p in procs:
-        p.start()
+    out = CTX.Queue()
+    procs = _procs.start_ranks(_ddp_worker, place, world, seconds, out)
     rates = [out.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join()
+    _procs.join(procs, 300)
     return sum(rates) / len(rates)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, replicas: int = 1,
@@ -155,27 +131,18 @@ def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, rep
               mode: str = "async") -> tuple[tuple, dict]:
     """(steps/s, push bytes/step, pull bytes/step) averaged over the workers, and the cores each
     process used in the middle of the timed window."""
-    from _servers import Servers
-
-    ctx = mp.get_context("spawn")
-    with Servers(ps, mode=mode, extra_chief=("--replicas", str(replicas)), place=place,
-                 num_shards=num_shards) as servers:
-        out, barrier = ctx.Queue(), ctx.Barrier(workers + 1)
-        procs = [ctx.Process(target=_shoal_worker, args=(place.namespace(f"w{i}"), servers.chief, codec, pull_codec,
-                                                         seconds, barrier, out, push_window, mode == "sync"))
-                 for i in range(workers)]
-        for p in procs:
-            p.start()
+    with _procs.start_servers(place, ps, mode, replicas, num_shards) as servers:
+        out, barrier = CTX.Queue(), CTX.Barrier(workers + 1)
+        procs = _procs.start_workers(_shoal_worker, place, workers, servers.chief, codec, pull_codec, seconds,
+                                     barrier, out, push_window, mode == "sync")
         barrier.wait()
-        pids = {"chief": servers.procs[0].pid, **{f"ps{i}": servers.procs[1 + i].pid for i in range(ps)},
-                **{f"worker{i}": p.pid for i, p in enumerate(procs)}}
+        pids = _procs.shoal_pids(servers, procs)
         time.sleep(seconds * 0.25)            # past the warm-up steps
-        before, t0 = {k: cpu_seconds(p) for k, p in pids.items()}, time.monotonic()
+        before, t0 = _procs.cpu_times(pids), time.monotonic()
         time.sleep(seconds * 0.5)
-        cores = {k: round((cpu_seconds(p) - before[k]) / (time.monotonic() - t0), 2) for k, p in pids.items()}
+        cores = _procs.cores(before, _procs.cpu_times(pids), time.monotonic() - t0)
         results = [out.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join()
+        _procs.join(procs, 300)
     return tuple(sum(r[i] for r in results) / workers for i in range(3)), cores
 
 
