@@ -307,7 +307,8 @@ def plot(out: Path, files: list[Path]) -> None:
         a.legend(fontsize=7)
     ax.set_yscale("log")
     axv.set_yscale("log")
-    fig.suptitle("chief over gRPC on loopback, 2 shared cores (load ~20: see bench/RESULTS.md)", fontsize=9)
+    fig.suptitle("chief over gRPC on loopback, 2 cores (before, after: load ~20; quiet: load < 3; see bench/RESULTS.md)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"plot: {out}", file=sys.stderr)
