@@ -64,7 +64,7 @@ MODULES: dict[str, list[str]] = {
                        U + "test_membership.py", I + "test_task_journal.py"],
     "chief/membership.py": [U + "test_membership_edges.py", U + "test_membership.py", U + "test_chief_isolation.py",
                             U + "test_chief_persistence.py"],
-    "chief/placement.py": [U + "test_placement.py"],
+    "chief/placement.py": [U + "test_placement_edges.py", U + "test_placement.py"],
     "shoal/checkpoint_store.py": [U + "test_checkpoint_store_edges.py", U + "test_checkpoint.py", U + "test_checksum_chunks.py",
                                   U + "test_checkpoint_cut.py"],
     "ps/shard.py": [U + "test_shard_rounds.py", U + "test_replication_order.py", U + "test_ledger_counts.py",
