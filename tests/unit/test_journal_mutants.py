@@ -1,5 +1,6 @@
 """Edges of the chief's journal (chief/journal.py) that a cosmic-ray run left untested (bench/RESULTS.md, make mutate)."""
 import logging
+import sqlite3
 
 import pytest
 
@@ -12,17 +13,36 @@ def _changes(clock: float) -> dict:
             "members": [], "steps": [], "tasks": []}
 
 
-def test_compaction_comes_when_the_changes_outgrow_compact_bytes_not_when_they_reach_it(tmp_path):
-    j = Journal(tmp_path / "chief.db", compact_bytes=21)    # above the 13-byte snapshot, so 21 is the bar
+@pytest.mark.parametrize("compact_bytes", [20, 21])
+def test_compaction_comes_when_the_changes_outgrow_compact_bytes_not_when_they_reach_it(tmp_path, compact_bytes):
+    j = Journal(tmp_path / "chief.db", compact_bytes=compact_bytes)    # above the 13-byte snapshot: the bar
     snap = lambda: {"clock": 0.0}                           # noqa: E731
     j.append(_changes(0.5), "first", snap)                  # a process's first write is whole
     assert j.snapshots == 1
-    for i in range(7):                                      # 7 x 3 bytes = 21: reached, not outgrown
+    outgrown = compact_bytes // 3 + 1                       # the first count of 3-byte changes over the bar
+    for i in range(outgrown - 1):                           # 21 bytes reach 21 and outgrow 20; 18 reach neither
         j.append(_changes(i + 1.5), f"change {i}", snap)
-    assert j.snapshots == 1 and j.writes == 8
-    j.append(_changes(8.5), "outgrown", snap)               # 24 > 21: compact
+    assert j.snapshots == 1 and j.writes == outgrown
+    j.append(_changes(8.5), "outgrown", snap)              # 21 > 20, 24 > 21: compact
+    assert j.snapshots == 2
+    j.append(_changes(9.5), "counted afresh", snap)       # the changes count from 0 after it
     assert j.snapshots == 2
     j.close()
+
+
+def test_a_process_first_write_is_whole_even_when_nothing_asks_for_it(tmp_path):
+    """A restarted chief's clock is not the old one's, so its changes cannot follow the old snapshot."""
+    path = tmp_path / "chief.db"
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    for run in range(2):                                    # a new journal, then the same one reopened
+        j = Journal(path)
+        j.append(_changes(5.0), f"first of run {run}", snap)
+        assert j.snapshots == 1
+        j.append(_changes(6.0), f"second of run {run}", snap)
+        assert j.snapshots == 1
+        j.close()
+        with sqlite3.connect(path) as db:
+            assert db.execute("SELECT count(*) FROM changes").fetchone()[0] == 1    # the first one's went
 
 
 def test_a_journal_in_directories_not_made_yet_makes_them(tmp_path):
