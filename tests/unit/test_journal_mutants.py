@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from shoal.chief.journal import Journal, JournalUnreadable
+from shoal.chief.journal import Journal, JournalError, JournalUnreadable
 
 
 def _changes(clock: float) -> dict:
@@ -72,3 +72,45 @@ def test_starting_fresh_says_once_where_the_old_journal_went(tmp_path, caplog):
     assert len(moved) == 1 and f"{path}.bak" in moved[0].getMessage()
     assert again.load() is None and (tmp_path / "chief.db.bak").exists()
     again.close()
+
+
+class _FailingEvents:
+    """The journal's connection, except that the next event insert fails (a full disk, say)."""
+
+    def __init__(self, db):
+        self.db, self.fail = db, True
+
+    def execute(self, sql, *args):
+        if self.fail and sql.startswith("INSERT INTO events"):
+            self.fail = False
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def test_after_a_failed_write_the_next_one_is_whole(tmp_path):
+    """The changes a failed write held were taken from the state and are in no row: appending
+    only the next ones would lose them after a reopen."""
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    j._db = _FailingEvents(j._db)
+    with pytest.raises(JournalError, match="disk is full"):
+        j.append(_changes(2.0), "fails", snap)
+    j.append(_changes(3.0), "after the failure", snap)
+    assert j.snapshots == 2
+    j.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM changes").fetchone()[0] == 0
+
+
+def test_the_journal_flags_are_keyword_only(tmp_path):
+    """A stray positional True must not mean fresh=True, which moves the job's state aside."""
+    path = tmp_path / "chief.db"
+    with pytest.raises(TypeError):
+        Journal(path, True)
+    assert not path.exists()
+    Journal(path=path).close()
