@@ -57,7 +57,7 @@ MODULES: dict[str, list[str]] = {
     "shoal/codecs/feedback.py": [U + "test_error_feedback.py", U + "test_codecs.py"],
     "ps/consistency.py": [U + "test_consistency_rules.py", U + "test_shard_rounds.py", U + "test_shard_optimizer.py", U + "test_changes.py",
                           U + "test_replication_order.py", U + "test_checkpoint_cut.py"],
-    "chief/journal.py": [U + "test_journal_edges.py", U + "test_journal_changes.py", U + "test_chief_persistence.py", I + "test_task_journal.py",
+    "chief/journal.py": [U + "test_journal_mutants.py", U + "test_journal_edges.py", U + "test_journal_changes.py", U + "test_chief_persistence.py", I + "test_task_journal.py",
                          I + "test_chief_recovery.py"],
     "chief/tasks.py": [U + "test_tasks.py", U + "test_task_queue_edges.py", U + "test_chief_persistence.py",
                        U + "test_task_feed.py",

@@ -1,0 +1,116 @@
+"""Edges of the chief's journal (chief/journal.py) that a cosmic-ray run left untested (bench/RESULTS.md, make mutate)."""
+import logging
+import sqlite3
+
+import pytest
+
+from shoal.chief.journal import Journal, JournalError, JournalUnreadable
+
+
+def _changes(clock: float) -> dict:
+    """:meth:`ChiefState.take_changes` with only the clock moved: one 3-byte ``clock`` row (``"1.5"``)."""
+    return {"whole": False, "clock": clock, "small": {}, "members_meta": {},
+            "members": [], "steps": [], "tasks": []}
+
+
+@pytest.mark.parametrize("compact_bytes", [20, 21])
+def test_compaction_comes_when_the_changes_outgrow_compact_bytes_not_when_they_reach_it(tmp_path, compact_bytes):
+    j = Journal(tmp_path / "chief.db", compact_bytes=compact_bytes)    # above the 13-byte snapshot: the bar
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(0.5), "first", snap)                  # a process's first write is whole
+    assert j.snapshots == 1
+    outgrown = compact_bytes // 3 + 1                       # the first count of 3-byte changes over the bar
+    for i in range(outgrown - 1):                           # 21 bytes reach 21 and outgrow 20; 18 reach neither
+        j.append(_changes(i + 1.5), f"change {i}", snap)
+    assert j.snapshots == 1 and j.writes == outgrown
+    j.append(_changes(8.5), "outgrown", snap)              # 21 > 20, 24 > 21: compact
+    assert j.snapshots == 2
+    j.append(_changes(9.5), "counted afresh", snap)       # the changes count from 0 after it
+    assert j.snapshots == 2
+    j.close()
+
+
+def test_a_process_first_write_is_whole_even_when_nothing_asks_for_it(tmp_path):
+    """A restarted chief's clock is not the old one's, so its changes cannot follow the old snapshot."""
+    path = tmp_path / "chief.db"
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    for run in range(2):                                    # a new journal, then the same one reopened
+        j = Journal(path)
+        j.append(_changes(5.0), f"first of run {run}", snap)
+        assert j.snapshots == 1
+        j.append(_changes(6.0), f"second of run {run}", snap)
+        assert j.snapshots == 1
+        j.close()
+        with sqlite3.connect(path) as db:
+            assert db.execute("SELECT count(*) FROM changes").fetchone()[0] == 1    # the first one's went
+
+
+def test_a_journal_in_directories_not_made_yet_makes_them(tmp_path):
+    path = tmp_path / "a" / "b" / "chief.db"
+    j = Journal(path)
+    j.write({"x": 1}, "first")
+    j.close()
+    again = Journal(path)
+    assert again.load() == {"x": 1}
+    again.close()
+
+
+def test_a_journal_path_sqlite_cannot_open_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "chief.db").mkdir()                          # a directory where the file should be
+    with pytest.raises(JournalUnreadable, match=f"chief journal {tmp_path / 'chief.db'} is unreadable"):
+        Journal(tmp_path / "chief.db")
+
+
+def test_starting_fresh_says_once_where_the_old_journal_went(tmp_path, caplog):
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    j.write({"x": 1}, "first")
+    j.close()                                                # the last close folds the -wal in and drops it
+    with caplog.at_level(logging.WARNING, logger="shoal.chief.journal"):
+        again = Journal(path, fresh=True)
+    moved = [r for r in caplog.records if "moved the old journal" in r.getMessage()]
+    assert len(moved) == 1 and f"{path}.bak" in moved[0].getMessage()
+    assert again.load() is None and (tmp_path / "chief.db.bak").exists()
+    again.close()
+
+
+class _FailingEvents:
+    """The journal's connection, except that the next event insert fails (a full disk, say)."""
+
+    def __init__(self, db):
+        self.db, self.fail = db, True
+
+    def execute(self, sql, *args):
+        if self.fail and sql.startswith("INSERT INTO events"):
+            self.fail = False
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def test_after_a_failed_write_the_next_one_is_whole(tmp_path):
+    """The changes a failed write held were taken from the state and are in no row: appending
+    only the next ones would lose them after a reopen."""
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    j._db = _FailingEvents(j._db)
+    with pytest.raises(JournalError, match="disk is full"):
+        j.append(_changes(2.0), "fails", snap)
+    j.append(_changes(3.0), "after the failure", snap)
+    assert j.snapshots == 2
+    j.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM changes").fetchone()[0] == 0
+
+
+def test_the_journal_flags_are_keyword_only(tmp_path):
+    """A stray positional True must not mean fresh=True, which moves the job's state aside."""
+    path = tmp_path / "chief.db"
+    with pytest.raises(TypeError):
+        Journal(path, True)
+    assert not path.exists()
+    Journal(path=path).close()
