@@ -154,13 +154,17 @@ class Journal:
     def append(self, changes: dict, event: str, snapshot: Callable[[], dict]) -> None:
         """Journals :meth:`ChiefState.take_changes` (``changes``) and logs ``event``, atomically and
         durably; or, when it is time to compact, ``snapshot()`` (:meth:`ChiefState.journal_snapshot`)."""
-        small = json.dumps([changes["small"], changes["members_meta"]], separators=(",", ":"))
-        rows = [("clock", json.dumps(changes["clock"]))]
-        if small != self._last_small:
-            rows.append(("small", small))
-        for kind in ("members", "steps", "tasks"):
-            if changes[kind]:
-                rows.append((kind, json.dumps(changes[kind], separators=(",", ":"))))
+        try:
+            small = json.dumps([changes["small"], changes["members_meta"]], separators=(",", ":"))
+            rows = [("clock", json.dumps(changes["clock"]))]
+            if small != self._last_small:
+                rows.append(("small", small))
+            for kind in ("members", "steps", "tasks"):
+                if changes[kind]:
+                    rows.append((kind, json.dumps(changes[kind], separators=(",", ":"))))
+        except BaseException:
+            self._need_snapshot = True      # the changes were taken from the state and are in no row
+            raise
         size = sum(len(body) for _, body in rows)
         if changes["whole"] or self._need_snapshot or self._change_bytes + size > max(self.compact_bytes, self._snapshot_bytes):
             self.write(snapshot(), event)

@@ -107,6 +107,21 @@ def test_after_a_failed_write_the_next_one_is_whole(tmp_path):
         assert db.execute("SELECT count(*) FROM changes").fetchone()[0] == 0
 
 
+
+def test_an_append_that_fails_before_it_writes_makes_the_next_write_whole(tmp_path):
+    """Changes that cannot be serialized were still taken from the state: the next write must be a
+    snapshot, or a reopened journal replays the later changes without them."""
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    bad = {**_changes(2.0), "members": [{"id": "w", "seen": object()}]}
+    with pytest.raises(TypeError):
+        j.append(bad, "cannot be serialized", snap)
+    j.append(_changes(3.0), "after it", snap)
+    assert j.snapshots == 2
+    j.close()
+
 def test_the_journal_flags_are_keyword_only(tmp_path):
     """A stray positional True must not mean fresh=True, which moves the job's state aside."""
     path = tmp_path / "chief.db"
