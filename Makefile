@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup proto run test test-fast bench clean mutate
+.PHONY: setup proto run test test-fast clean mutate
 
 # Installs every Python and Debian package the project and its tests need.
 setup: $(STAMP)
