@@ -308,10 +308,20 @@ def run_rounds(args: argparse.Namespace, place: Placement) -> None:
 
 
 def _case(spec: str) -> Case:
+    """A case whose codecs the worker knows (its own checks), so a typo fails here, not after a start-up."""
+    from shoal.wire import pull_itemsize
+    from shoal.worker.push import GradientEncoder
+
     try:
-        return _tta.parse_case(spec)
+        case = _tta.parse_case(spec)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    try:
+        GradientEncoder(case.codec)
+        pull_itemsize(case.pull_codec)
+    except ValueError as exc:           # shoal's InvalidArgument is one
+        raise argparse.ArgumentTypeError(f"case {spec!r}: {exc}") from None
+    return case
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -330,8 +340,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ps", type=int, default=None, help="parameter servers (default: as many as --workers)")
     args = p.parse_args(argv)
     args.ps = args.ps or args.workers
-    if args.eval_every < 1 or args.workers < 1 or args.max_seconds <= 0:
-        p.error("--eval-every and --workers must be >= 1, --max-seconds > 0")
+    if args.eval_every < 1 or args.workers < 1 or args.rounds < 1 or args.max_seconds <= 0:
+        p.error("--eval-every, --workers and --rounds must be >= 1, --max-seconds > 0")
+    if not 0 < args.target <= 1:
+        p.error(f"--target is a test accuracy in (0, 1], got {args.target}")
     return args
 
 

@@ -111,3 +111,24 @@ def test_summary_takes_medians_over_the_rounds_that_reached_the_target():
 def test_a_case_that_never_reached_the_target_has_no_median():
     s = _tta.summarize("shoal-async-topk", [{"seconds": None, "ratio_vs_ddp": None}])
     assert s["reached"] == 0 and s["median_seconds"] is None and s["median_ratio_vs_ddp"] is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--cases", "bogus"], "unknown compressor 'bogus'"),
+    (["--cases", "bf16/int8"], "unknown pull codec 'int8'"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--target", "1.5"], "--target is a test accuracy"),
+])
+def test_the_bench_refuses_a_typo_before_it_starts_anything(argv, says, capsys):
+    import tta
+
+    with pytest.raises(SystemExit):
+        tta.parse_args(argv)
+    assert says in capsys.readouterr().err
+
+
+def test_the_bench_takes_the_codec_specs_the_worker_takes():
+    import tta
+
+    args = tta.parse_args(["--cases", "topk:0.05", "sign+lz4@4:2", "bf16/fp16"])
+    assert [c.codec for c in args.cases] == ["topk:0.05", "sign+lz4", "bf16"]
