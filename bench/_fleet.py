@@ -5,8 +5,9 @@ no parameter servers): one gRPC channel of its own (so one connection, as a real
 ``Join`` as a worker, a heartbeat every lease/4 with counters, task progress and a step time (as
 ``ChiefClient._heartbeat_loop`` sends), ``GetTasks`` every ``task_period`` seconds reporting the
 finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch
-that long-polls ``GetView(after_epoch, timeout 5 s, member_id)`` and re-opens at once (as
-``ChiefClient._watch_loop``). Every received view is parsed (as a real member parses its own).
+that long-polls ``GetView(after_epoch, timeout 5 s, member_id, scope)`` and re-opens at once (as
+``ChiefClient._watch_loop``; the scope is ROUTING, as a worker's, unless the fifth argument says
+``full``). Every received view is parsed (as a real member parses its own).
 
 Driven over stdin/stdout by the coordinator, one line each way:
     -> ``ready N``            all N joined and running
@@ -48,7 +49,8 @@ class Recorder:
 
 
 class FakeWorker:
-    def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float):
+    def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float, scope: int):
+        self.scope = scope
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.ChiefStub(self.channel)
         self.rec = rec
@@ -62,7 +64,8 @@ class FakeWorker:
         self.steps = 0
 
     async def join(self) -> None:
-        reply = await self.stub.Join(pb.JoinRequest(role=pb.WORKER, host="fleet", layout=LAYOUT), timeout=120)
+        reply = await self.stub.Join(pb.JoinRequest(role=pb.WORKER, host="fleet", layout=LAYOUT, view_scope=self.scope),
+                                     timeout=120)
         self.member_id, self.lease_s, self.epoch = reply.member_id, reply.lease_seconds, reply.view.epoch
 
     async def heartbeats(self) -> None:
@@ -108,11 +111,13 @@ class FakeWorker:
         while True:
             try:
                 view = await self.stub.GetView(pb.ViewRequest(after_epoch=self.epoch, timeout_seconds=5.0,
-                                                              member_id=self.member_id),
+                                                              member_id=self.member_id, scope=self.scope),
                                                timeout=5.0 + max(1.0, self.lease_s))
             except grpc.RpcError as exc:
                 self.rec.error("view", exc)
                 await asyncio.sleep(0.1)
+                continue
+            if view.unchanged:
                 continue
             if view.epoch > self.epoch:
                 self.epoch = view.epoch
@@ -121,10 +126,10 @@ class FakeWorker:
                     self.rec.views += 1
 
 
-async def run(address: str, n: int, task_period_s: float, dataset_size: int) -> None:
+async def run(address: str, n: int, task_period_s: float, dataset_size: int, scope: int) -> None:
     rec = Recorder()
     dataset = pb.DatasetSpec(size=dataset_size, batch_size=1, epochs=1000, batches_per_task=1)
-    workers = [FakeWorker(address, rec, dataset, task_period_s) for _ in range(n)]
+    workers = [FakeWorker(address, rec, dataset, task_period_s, scope) for _ in range(n)]
     gate = asyncio.Semaphore(JOIN_CONCURRENCY)
 
     async def join(w: FakeWorker) -> None:
@@ -156,7 +161,8 @@ async def run(address: str, n: int, task_period_s: float, dataset_size: int) -> 
 
 def main() -> None:
     address, n, task_period_s, dataset_size = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-    asyncio.run(run(address, n, task_period_s, dataset_size))
+    scope = pb.ViewScope.Value(sys.argv[5].upper()) if len(sys.argv) > 5 else pb.ROUTING
+    asyncio.run(run(address, n, task_period_s, dataset_size, scope))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ view watch in threads; no data plane), and N fake workers (bench/_fleet.py: no t
 in the window: its end, and workers going idle, are view changes too), and a view watch always open.
 
 After all have joined and settled, a measured window of ``--window`` seconds in which
-``--changes`` view changes are triggered by this process, alternately an extra worker joining and
-leaving. It prints one JSON object per case:
+``--changes`` view changes are triggered by this process, alternately an extra member joining and
+leaving: a server (``--trigger ps``, the default: what wakes a worker's ROUTING watch) or a worker
+(``--trigger worker``, with ``--scope full``: fake workers that watch every member, as all did
+before routing views). It prints one JSON object per case:
 
 - heartbeat and GetTasks latency p50/p99/max (ms, as the fake workers' clients saw it: an asyncio
   loop with hundreds of members adds its own scheduling delay, so the fleet's CPU is reported too);
@@ -132,9 +134,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 class Fleet:
     """One fake-worker process (bench/_fleet.py) and a thread reading its lines."""
 
-    def __init__(self, address: str, n: int, task_period_s: float, dataset_size: int, log) -> None:
+    def __init__(self, address: str, n: int, task_period_s: float, dataset_size: int, log, scope: str) -> None:
         self.proc = subprocess.Popen([sys.executable, str(HERE / "_fleet.py"), address, str(n), str(task_period_s),
-                                      str(dataset_size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      str(dataset_size), scope], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -178,7 +180,7 @@ def run_case(n: int, args) -> dict:
         log = open(tmp / "fleet.log", "w")
         per = [n // args.procs + (1 if i < n % args.procs else 0) for i in range(args.procs)]
         t_join = time.monotonic()
-        fleets = [Fleet(address, k, args.task_period, 100 * n, log) for k in per if k]
+        fleets = [Fleet(address, k, args.task_period, 100 * n, log, args.scope) for k in per if k]
         wait_until(lambda: all(f.ready for f in fleets) or any(f.proc.poll() is not None for f in fleets),
                    120 + n / 5, "fleet joined")
         if not all(f.ready for f in fleets):
@@ -204,12 +206,15 @@ def run_case(n: int, args) -> dict:
             time.sleep(max(0.0, t0 + gap * (k + 1) - time.monotonic()))
             t = time.monotonic()
             try:
-                if not extra:
-                    reply = stub.Join(pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout), timeout=30)
-                    extra, epoch, what = reply.member_id, reply.view.epoch, "join"
+                if not extra:       # a worker's watch is woken by servers coming and going, not workers
+                    req = pb.JoinRequest(role=pb.PS, host="trigger", address="127.0.0.1:49999") \
+                        if args.trigger == "ps" else pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout)
+                    reply = stub.Join(req, timeout=30)
+                    extra, epoch, what = reply.member_id, reply.view.epoch, f"{args.trigger} join"
                 else:
                     stub.Leave(pb.LeaveRequest(member_id=extra), timeout=30)
-                    epoch, extra, what = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch, "", "leave"
+                    epoch, extra = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch, ""
+                    what = f"{args.trigger} leave"
             except grpc.RpcError as exc:        # e.g. a chief whose job stopped: said in the row
                 trigger_errors.append(f"{exc.code().name}: {exc.details()}"[:300])
                 continue
@@ -257,7 +262,7 @@ def run_case(n: int, args) -> dict:
             errors[k] = errors.get(k, 0) + v
     lasts = [p["last_ms"] for p in props if p["last_ms"] is not None]
     return {
-        "workers": n, "procs": len(fleets), "window_s": round(wall, 1), "join_all_s": round(join_s, 1),
+        "workers": n, "procs": len(fleets), "scope": args.scope, "trigger": args.trigger, "window_s": round(wall, 1), "join_all_s": round(join_s, 1),
         "heartbeat_ms": percentiles([x for r in results for x in r["heartbeat_ms"]]),
         "get_tasks_ms": percentiles([x for r in results for x in r["tasks_ms"]]),
         "view_change_to_last_watcher_ms": {"max": max(lasts) if lasts else None,
@@ -322,6 +327,12 @@ def main() -> None:
     ap.add_argument("--changes", type=int, default=4, help="view changes triggered in the window")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after the last join before measuring")
     ap.add_argument("--task-period", type=float, default=5.0, help="seconds between a fake worker's GetTasks")
+    ap.add_argument("--scope", choices=("routing", "full"), default="routing",
+                    help="what the fake workers watch: routing (as a worker since issue 17's routing views) or "
+                         "full (every member, as before)")
+    ap.add_argument("--trigger", choices=("ps", "worker"), default="",
+                    help="the view changes made in the window: an extra server or worker joining and leaving "
+                         "(default: ps for --scope routing, worker for full)")
     ap.add_argument("--chief-arg", action="append", default=[], help="extra argument for `shoal chief` (repeat)")
     ap.add_argument("--keep", action="store_true", help="keep each case's chief log, journal and fleet log")
     ap.add_argument("--label", default="", help="tag every line (e.g. before/after)")
@@ -329,6 +340,10 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="plot the JSON-lines files given as arguments to this PNG and exit")
     ap.add_argument("files", nargs="*", type=Path)
     args = ap.parse_args()
+    args.trigger = args.trigger or ("ps" if args.scope == "routing" else "worker")
+    if args.trigger == "worker" and args.scope == "routing":
+        ap.error("a worker joining or leaving wakes no routing watch (chief/views.py): "
+                 "--trigger worker needs --scope full")
     if args.plot:
         plot(args.plot, args.files)
         return

@@ -19,6 +19,7 @@ from typing import Iterator
 from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
+from shoal.chief.views import ViewBoard, check_scope
 from shoal import auth, convert, tokens
 from shoal.errors import InvalidArgument, Unavailable
 from shoal.members import Role
@@ -47,8 +48,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self._cond = threading.Condition()
         self.guard = auth.Guard(self._credential_key)
         self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
-        self._published: tuple[int, bytes] | None = None    # (epoch, serialized view): see _serialized_view
-        self._watches: set[threading.Event] = set()         # one per waiting GetView: see _wake_watchers
+        self.views = ViewBoard(state)        # the open watches and what they are answered with
 
     def _credential_key(self) -> bytes:
         return tokens.public_key(self.state.secret)
@@ -136,34 +136,20 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         return pb.UnreachableReply(expired=expired)
 
     def _wake_watchers(self) -> None:
-        """The epoch changed (lock held): every waiting watch wakes and answers."""
-        for woke in self._watches:
-            woke.set()
+        """The epoch changed (lock held): the watches it concerns wake and answer (chief/views.py)."""
+        self.views.changed()
 
     def _changed_now(self, event: str) -> None:
         """Journals a change and wakes the view watchers (lock held)."""
         self._save(event)
         self._wake_watchers()
 
-    def _view(self) -> pb.ClusterView:
-        return convert.view_to_pb(self.state.view())
-
-    def _serialized_view(self, fresh: bool) -> bytes:
-        """The view as sent (lock held): built and serialized once per epoch and handed as the same
-        bytes to every watcher answered at that epoch, rather than once per watcher (O(members) each,
-        so O(members^2) per view change). ``fresh`` (a read that asked for no epoch: ``shoal
-        status``, ``refresh_view``) builds it anew, with the step times, counters and straggler flags
-        of now, which change without an epoch; the watchers of that epoch get it from then on."""
-        epoch = self.state.epoch
-        if fresh or self._published is None or self._published[0] != epoch:
-            self._published = (epoch, self._view().SerializeToString())
-        return self._published[1]
-
     @grpc_errors
     def Join(self, request, context):
         if request.role == pb.PS:
             check_address(request.address)
         member_id = request.member_id
+        scope = check_scope(request.view_scope)
         if member_id and not self.guard.speaks_for(context, member_id):
             member_id = ""      # only the member itself re-attaches under its id; anyone else joins anew
         with self._locked():
@@ -180,7 +166,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             self._wake_watchers()
             ckpts = self.state.checkpoints
             return pb.JoinReply(member_id=m.member_id, lease_seconds=self.state.job.lease_seconds,
-                                view=self._view(), shard=shard,
+                                view=self.views.joined(scope, m.member_id), shard=shard,
                                 verify_key=tokens.public_key(self.state.secret) if request.role == pb.PS else b"",
                                 restore_checkpoint=ckpts.restore_path() if ckpts and request.role == pb.PS else "",
                                 credential=auth.issue(self.state.secret, m.member_id,
@@ -216,7 +202,9 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     @grpc_errors
     def GetView(self, request, context):
         """Answers with the view's bytes, already serialized: the server registers this method with
-        ``shoal.rpc.PreSerialized`` (chief/server.py)."""
+        ``shoal.rpc.PreSerialized`` (chief/server.py). What wakes a watch of each scope and what it
+        gets: chief/views.py."""
+        scope = check_scope(request.scope)
         deadline = time.monotonic() + (min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
                                        if math.isfinite(request.timeout_seconds) else 0.0)
         answered = []
@@ -230,23 +218,31 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         with self._locked():
             if request.member_id:
                 self.state.watch_opened(request.member_id)
-            self._watches.add(woke)
-        try:                # the epoch is an int: read without the lock, which only the answer takes
-            while (self.state.epoch <= request.after_epoch and self.failed is None
+            if self.views.stale():
+                self.views.changed()
+            self.views.watches[scope].add(woke)
+        try:                # the epochs are ints: read without the lock, which only the answer takes
+            while (self.views.waits_past(scope) <= request.after_epoch and self.failed is None
                    and (context is None or context.is_active())):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 woke.wait(min(left, WATCH_POLL_S))
                 woke.clear()
+                if self.views.stale():          # a change made outside the servicer (the checkpointer)
+                    with self._cond:
+                        if self.views.stale():
+                            self.views.changed()
         finally:
             with self._cond:
-                self._watches.discard(woke)
+                self.views.watches[scope].discard(woke)
         with self._locked():
             if self.failed is not None:     # a view the journal does not hold must not be seen
                 raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
             answered.append(True)
-            return self._serialized_view(fresh=request.after_epoch < 0)
+            if 0 <= request.after_epoch and self.views.waits_past(scope) <= request.after_epoch:
+                return self.views.unchanged(request.after_epoch)
+            return self.views.answer(scope, request.member_id, fresh=request.after_epoch < 0)
 
     def _watch_closed(self, member_id: str, answered: bool) -> None:
         """gRPC's callback for a watch that ended, answered or not (it must not raise)."""

@@ -313,7 +313,14 @@ class ChiefState:
     # ------------------------------------------------------------ reads
 
     def view(self) -> View:
-        alive = tuple(self.members.alive())
+        return self._view(tuple(self.members.alive()))
+
+    def routing_view(self) -> View:
+        """What a worker follows (a ROUTING view, chief/views.py): the live servers and the shard routes,
+        without the workers, their step times and straggler flags."""
+        return self._view(tuple(self.members.alive(Role.PS)), workers=False)
+
+    def _view(self, alive: tuple, workers: bool = True) -> View:
         by_id = {m.member_id: m for m in alive}
         routes = []
         for k, mid in sorted(self.routing.items()):
@@ -325,7 +332,7 @@ class ChiefState:
         routes = tuple(routes)
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
-                    frozenset(self.stragglers()), dict(self.step_seconds))
+                    *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()))
 
     def totals(self) -> Counters:
         out = Counters()

@@ -12,9 +12,16 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     WORKER: _ClassVar[Role]
     PS: _ClassVar[Role]
+
+class ViewScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FULL: _ClassVar[ViewScope]
+    ROUTING: _ClassVar[ViewScope]
 ROLE_UNSPECIFIED: Role
 WORKER: Role
 PS: Role
+FULL: ViewScope
+ROUTING: ViewScope
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -69,18 +76,20 @@ class Counters(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., samples: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "address", "layout", "host", "member_id")
+    __slots__ = ("role", "address", "layout", "host", "member_id", "view_scope")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    VIEW_SCOPE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     address: str
     layout: ModelLayout
     host: str
     member_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+    view_scope: ViewScope
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ..., view_scope: _Optional[_Union[ViewScope, str]] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
     __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler")
@@ -119,7 +128,7 @@ class ShardRoute(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ..., backup_complete: _Optional[bool] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs")
+    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +136,10 @@ class ClusterView(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_ONLY_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_RANK_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardRoute]
@@ -134,7 +147,11 @@ class ClusterView(_message.Message):
     job: JobConfig
     layout_fingerprint: str
     completed_epochs: int
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ...) -> None: ...
+    routing_only: bool
+    num_workers: int
+    worker_rank: int
+    unchanged: bool
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "lease_seconds", "view", "shard", "restore_checkpoint", "credential", "verify_key")
@@ -201,14 +218,16 @@ class LeaveRequest(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
 
 class ViewRequest(_message.Message):
-    __slots__ = ("after_epoch", "timeout_seconds", "member_id")
+    __slots__ = ("after_epoch", "timeout_seconds", "member_id", "scope")
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     after_epoch: int
     timeout_seconds: float
     member_id: str
-    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., member_id: _Optional[str] = ...) -> None: ...
+    scope: ViewScope
+    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., member_id: _Optional[str] = ..., scope: _Optional[_Union[ViewScope, str]] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
     __slots__ = ("size", "batch_size", "epochs", "batches_per_task", "seed")

@@ -28,8 +28,9 @@ class ChiefClient:
                  layout: pb.ModelLayout | None = None, counters: Callable[[], Counters] | None = None,
                  heartbeat_extra: Callable[[pb.HeartbeatRequest], None] | None = None,
                  join_deadline_s: float | None = 120.0, lost_after_s: float | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, view_scope: int = pb.FULL):
         self.chief_address = address
+        self.view_scope = view_scope     # what this member watches: pb.ROUTING for a worker (chief/views.py)
         self.role = role
         self.host = host
         self.advertised = address_advertised
@@ -57,7 +58,8 @@ class ChiefClient:
     # ------------------------------------------------------------ lifecycle
 
     def join(self) -> pb.JoinReply:
-        req = pb.JoinRequest(role=self.role, address=self.advertised, host=self.host, member_id=self.member_id)
+        req = pb.JoinRequest(role=self.role, address=self.advertised, host=self.host, member_id=self.member_id,
+                             view_scope=self.view_scope)
         if self.layout is not None:
             req.layout.CopyFrom(self.layout)
         t0 = time.monotonic()
@@ -142,7 +144,7 @@ class ChiefClient:
         return max(1.0, self.lease_seconds)
 
     def refresh_view(self) -> pb.ClusterView:
-        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=self.call_timeout_s())
+        view = self.stub.GetView(pb.ViewRequest(after_epoch=-1, scope=self.view_scope), timeout=self.call_timeout_s())
         self._set_view(view)
         return view
 
@@ -206,8 +208,10 @@ class ChiefClient:
             try:
                 # the chief holds the call up to 5 s when nothing changes; a lease more and it is not answering
                 view = self.stub.GetView(pb.ViewRequest(after_epoch=after, timeout_seconds=5.0,
-                                                        member_id=self.member_id), timeout=5.0 + self.call_timeout_s())
-                self._set_view(view)
+                                                        member_id=self.member_id, scope=self.view_scope),
+                                         timeout=5.0 + self.call_timeout_s())
+                if not view.unchanged:          # the watch timed out with nothing new
+                    self._set_view(view)
                 backoff = 0.1
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE:

@@ -16,6 +16,17 @@ class Role(str, enum.Enum):
     PS = "ps"
 
 
+def id_order(member_id: str) -> tuple:
+    """Sort key for member ids by their number: ``worker-10`` after ``worker-9``."""
+    head, _, tail = member_id.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (member_id, -1)
+
+
+def ranks(member_ids) -> dict[str, int]:
+    """Each id's place among ``member_ids`` in :func:`id_order`."""
+    return {m: i for i, m in enumerate(sorted(set(member_ids), key=id_order))}
+
+
 class MemberState(str, enum.Enum):
     ALIVE = "alive"
     IDLE = "idle"

@@ -82,9 +82,12 @@ class ShardExchange:
 
     def _push_order(self) -> list[int]:
         view = self.chief.view
-        workers = [m.member_id for m in view.members if m.role == pb.WORKER] if view is not None else []
-        return push_order(list(self._clients), {k: c.address for k, c in self._clients.items()},
-                          worker_rank(self.member_id, workers))
+        if view is not None and view.routing_only:
+            rank = view.worker_rank         # as of the last routing change: only spreads the first pushes
+        else:
+            rank = worker_rank(self.member_id, [m.member_id for m in view.members if m.role == pb.WORKER]
+                               if view is not None else [])
+        return push_order(list(self._clients), {k: c.address for k, c in self._clients.items()}, rank)
 
     def _on_push_answered(self, shard: int, reply: pb.PushReply) -> None:
         """On the thread that sent shard's push, as soon as it is answered: starts the shard's pull.

@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable, Mapping, Sequence
 
 from shoal.errors import InvalidArgument
+from shoal.members import ranks
 
 DEFAULT_PUSH_WINDOW = 0          # every push at once (see the module docstring)
 
@@ -54,11 +55,7 @@ def window_from(value: int | None) -> int:
 def worker_rank(member_id: str, workers: Sequence[str]) -> int:
     """This worker's place among the job's workers (ids compared by their number, ``worker-10`` after
     ``worker-9``); 0 when it is not among them (the view has not caught up)."""
-    def key(m: str) -> tuple:
-        head, _, tail = m.rpartition("-")
-        return (head, int(tail)) if tail.isdigit() else (m, -1)
-    ordered = sorted(set(workers), key=key)
-    return ordered.index(member_id) if member_id in ordered else 0
+    return ranks(workers).get(member_id, 0)
 
 
 def push_order(shards: Sequence[int], server_of: Mapping[int, Hashable], rank: int) -> list[int]:

@@ -133,7 +133,8 @@ class Trainer(ShardExchange):
             raise InvalidArgument(f"connect timeout must be > 0 seconds, got {connect_timeout_s}")
         self.chief = ChiefClient(self.chief_address, pb.WORKER, host=socket.gethostname(),
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
-                                 heartbeat_extra=self._fill_heartbeat, join_deadline_s=connect_timeout_s)
+                                 heartbeat_extra=self._fill_heartbeat, join_deadline_s=connect_timeout_s,
+                                 view_scope=pb.ROUTING)     # woken by routing changes only (chief/views.py)
         # before joining: a metrics port in use is an error that leaves nothing behind
         self.telemetry = WorkerTelemetry.from_env(lambda: self.chief.member_id, report=self._send_metrics)
         self.clock, self._bytes_at_step = StepClock(), [0, 0]
