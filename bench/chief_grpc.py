@@ -17,7 +17,8 @@ before routing views). It prints one JSON object per case:
 - heartbeat and GetTasks latency p50/p99/max (ms, as the fake workers' clients saw it: an asyncio
   loop with hundreds of members adds its own scheduling delay, so the fleet's CPU is reported too);
 - view propagation per change: from just before the triggering RPC until the last watcher has a
-  view of that epoch or newer (``time.monotonic`` is system-wide on Linux); the max over changes;
+  view newer than the epoch just before it (``time.monotonic`` is system-wide on Linux); the max
+  over changes;
 - the chief's CPU (its process's utime+stime per wall second of the window), and the fake workers'
   and this process's CPU over the same window, to see what the 2 shared cores bound; and the time the
   chief's threads spent runnable but waiting for a CPU (``/proc/PID/task/*/schedstat``) per wall
@@ -204,17 +205,19 @@ def run_case(n: int, args) -> dict:
         gap = args.window / (args.changes + 1)
         for k in range(args.changes):
             time.sleep(max(0.0, t0 + gap * (k + 1) - time.monotonic()))
-            t = time.monotonic()
             try:
+                # a watcher has seen the change when it holds a view newer than the epoch before it: a
+                # routing watch is answered with the epoch of its answer, which worker churn moves on
+                before = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch
+                t = time.monotonic()
                 if not extra:       # a worker's watch is woken by servers coming and going, not workers
                     req = pb.JoinRequest(role=pb.PS, host="trigger", address="127.0.0.1:49999") \
                         if args.trigger == "ps" else pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout)
-                    reply = stub.Join(req, timeout=30)
-                    extra, epoch, what = reply.member_id, reply.view.epoch, f"{args.trigger} join"
+                    extra, what = stub.Join(req, timeout=30).member_id, f"{args.trigger} join"
                 else:
                     stub.Leave(pb.LeaveRequest(member_id=extra), timeout=30)
-                    epoch, extra = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch, ""
-                    what = f"{args.trigger} leave"
+                    extra, what = "", f"{args.trigger} leave"
+                epoch = before + 1
             except grpc.RpcError as exc:        # e.g. a chief whose job stopped: said in the row
                 trigger_errors.append(f"{exc.code().name}: {exc.details()}"[:300])
                 continue

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+from shoal.chief.aio import SERVICE, AioServer
 from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
@@ -15,18 +16,9 @@ from shoal.chief.state import ChiefState
 from shoal.chief.telemetry import ChiefWatch
 from shoal.config import JobConfig
 from shoal.members import Role
-from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import PreSerialized, create_server, set_serving
 
 log = logging.getLogger(__name__)
 
-SERVICE = "shoal.Chief"
-# Every live member keeps a view watch (GetView, a long poll) open, and a sync gRPC server holds a
-# thread for each call it serves: with fewer threads than watches, heartbeats queue behind watches
-# until those time out, and leases lapse (bench/chief_grpc.py: at 100 workers with 64 threads).
-# Threads start only as calls need them; this bounds the members whose watches and heartbeats are
-# served at once (above it, calls wait for a thread).
-RPC_THREADS = 4096
 SILENT_SERVERS_HOLD_LEASES = 3    # how long the chief waits (in leases) when it hears from no server at all
 
 
@@ -61,9 +53,8 @@ class ChiefServer:
         self._closed = False
         self.telemetry: ChiefWatch | None = None
         self.metrics_endpoint = None
-        self.server, self.port, self._health = create_server(
-            bind, max_workers=RPC_THREADS, interceptors=(PreSerialized(f"/{SERVICE}/GetView"),))
-        pb_grpc.add_ChiefServicer_to_server(self.servicer, self.server)
+        self.server = AioServer(self.servicer, bind)
+        self.port = self.server.port
         self._tick_s = tick_s
         # a gap in the ticker's progress this much over its period is the chief's own pause (membership.py)
         self.state.members.bridge_pauses_over(tick_s + max(2 * tick_s, self.job.lease_seconds / 4))
@@ -100,7 +91,7 @@ class ChiefServer:
         self._ticker.start()
         if self.checkpointer is not None:
             self.checkpointer.start()
-        set_serving(self._health, SERVICE, True)
+        self.server.set_serving(SERVICE, True)
         log.info("chief serving on %s (mode %s, %d shard(s), lease %.1fs)", self.address,
                  self.job.mode, self.job.num_shards, self.job.lease_seconds)
         return self
@@ -129,7 +120,7 @@ class ChiefServer:
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
             if self.servicer.failed is not None:
-                set_serving(self._health, SERVICE, False)
+                self.server.set_serving(SERVICE, False)
                 self.failed.set()
                 return
             if self.state.stopped and not self.stopped.is_set():
@@ -150,8 +141,8 @@ class ChiefServer:
             self.metrics_endpoint.close()
         if self.checkpointer is not None:
             self.checkpointer.stop()
-        set_serving(self._health, SERVICE, False)
-        self.server.stop(grace_s).wait()
+        self.server.set_serving(SERVICE, False)
+        self.server.stop(grace_s)
         if self._ticker.is_alive():
             self._ticker.join(timeout=5)
         if self.journal is not None and not self._closed:
@@ -161,4 +152,4 @@ class ChiefServer:
             self.journal.close()
 
     def wait(self) -> None:
-        self.server.wait_for_termination()
+        self.server.wait()

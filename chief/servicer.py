@@ -111,6 +111,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             if self.state.epoch != before:
                 self._save("expired " + ", ".join(m.member_id for m in gone))
                 self._wake_watchers()
+            elif self.views.stale():        # a change made outside the servicer (the checkpointer)
+                self._wake_watchers()
             elif self._dirty and time.monotonic() - self._last_write >= self.heartbeat_flush_s:
                 self._save("heartbeats")
 
@@ -203,27 +205,16 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     def GetView(self, request, context):
         """Answers with the view's bytes, already serialized: the server registers this method with
         ``shoal.rpc.PreSerialized`` (chief/server.py). What wakes a watch of each scope and what it
-        gets: chief/views.py."""
-        scope = check_scope(request.scope)
-        deadline = time.monotonic() + (min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
-                                       if math.isfinite(request.timeout_seconds) else 0.0)
-        answered = []
+        gets: chief/views.py. chief/aio.py runs the same steps as a coroutine."""
         woke = threading.Event()
+        answered = []
         if context is not None:
             context.add_callback(woke.set)          # the call ended (cancelled, timed out): stop waiting
-            if request.member_id:
-                # A watch that breaks off before its answer means the process (or its socket) is gone: cut
-                # its lease to a third, which a live member's next heartbeat (every quarter lease) renews.
+            if request.member_id:               # reported once the call has ended (see watch_end)
                 context.add_callback(lambda: self._watch_closed(request.member_id, bool(answered)))
-        with self._locked():
-            if request.member_id:
-                self.state.watch_opened(request.member_id)
-            if self.views.stale():
-                self.views.changed()
-            self.views.watches[scope].add(woke)
+        scope, deadline = self.watch_begin(request, woke)
         try:                # the epochs are ints: read without the lock, which only the answer takes
-            while (self.views.waits_past(scope) <= request.after_epoch and self.failed is None
-                   and (context is None or context.is_active())):
+            while not self.watch_done(scope, request.after_epoch) and (context is None or context.is_active()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -233,16 +224,44 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                     with self._cond:
                         if self.views.stale():
                             self.views.changed()
+            reply = self.watch_answer(request, scope)
+            answered.append(True)
+            return reply
         finally:
-            with self._cond:
-                self.views.watches[scope].discard(woke)
+            self.watch_end(request, scope, woke)
+
+    def watch_begin(self, request, woke) -> tuple[int, float]:
+        """Opens a view watch: its scope and the monotonic time it is answered by at the latest.
+        ``woke.set()`` is called (under the lock) when the view of that scope changes."""
+        scope = check_scope(request.scope)
+        deadline = time.monotonic() + (min(max(request.timeout_seconds, 0.0), MAX_VIEW_WAIT_S)
+                                       if math.isfinite(request.timeout_seconds) else 0.0)
+        with self._locked():
+            if request.member_id:
+                self.state.watch_opened(request.member_id)
+            if self.views.stale():
+                self.views.changed()
+            self.views.watches[scope].add(woke)
+        return scope, deadline
+
+    def watch_done(self, scope: int, after_epoch: int) -> bool:
+        return self.views.waits_past(scope) > after_epoch or self.failed is not None
+
+    def watch_answer(self, request, scope: int) -> bytes:
         with self._locked():
             if self.failed is not None:     # a view the journal does not hold must not be seen
                 raise Unavailable(f"the chief cannot write its journal and is stopping: {self.failed}")
-            answered.append(True)
             if 0 <= request.after_epoch and self.views.waits_past(scope) <= request.after_epoch:
                 return self.views.unchanged(request.after_epoch)
             return self.views.answer(scope, request.member_id, fresh=request.after_epoch < 0)
+
+    def watch_end(self, request, scope: int, woke, answered: bool | None = None) -> None:
+        """Closes a watch; with ``answered`` (True or False), reports its end for the watcher's lease
+        (:meth:`_watch_closed`; the sync server reports it from the call's end callback instead)."""
+        with self._cond:
+            self.views.watches[scope].discard(woke)
+        if answered is not None and request.member_id:
+            self._watch_closed(request.member_id, answered)
 
     def _watch_closed(self, member_id: str, answered: bool) -> None:
         """gRPC's callback for a watch that ended, answered or not (it must not raise)."""

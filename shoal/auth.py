@@ -231,16 +231,25 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith(OPEN_METHODS):
             return handler
-        got = _metadata(details.invocation_metadata, TOKEN_KEY).encode()
-        if hmac.compare_digest(got, self._token):
-            return handler
-        return _deny(handler, details.method, "missing" if not got else "wrong")
+        why = token_refused(self._token, details.invocation_metadata)
+        return _deny(handler, details.method, why) if why else handler
+
+
+TOKEN_REFUSAL = "this job needs its token (--token-file)"
+
+
+def token_refused(token: bytes, metadata) -> str:
+    """Why a call's metadata does not carry the job ``token`` ("missing", "wrong"); "" when it does."""
+    got = _metadata(metadata, TOKEN_KEY).encode()
+    if hmac.compare_digest(got, token):
+        return ""
+    return "missing" if not got else "wrong"
 
 
 def _deny(handler: grpc.RpcMethodHandler, method: str, why: str) -> grpc.RpcMethodHandler:
     def abort(request, context):
         REFUSALS.warning("unauthenticated", "refused %s from %s: %s job token", method, context.peer(), why)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "this job needs its token (--token-file)")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSAL)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort)

@@ -99,7 +99,8 @@ def _code_of(context) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else "OK"
 
 
-def _observe(method: str, code: str, started: float) -> None:
+def observe_rpc(method: str, code: str, started: float) -> None:
+    """Records one call a server handled: its duration, and its code when it failed."""
     RPC_DURATION.labels(method, code).observe(time.perf_counter() - started)
     if code != "OK":
         RPC_ERRORS.labels(method, code).inc()
@@ -118,7 +119,7 @@ def _timed_unary(behaviour: Callable, method: str) -> Callable:
             code = "UNKNOWN" if code == "OK" else code
             raise
         finally:
-            _observe(method, code, started)
+            observe_rpc(method, code, started)
     return call
 
 
@@ -134,7 +135,7 @@ def _timed_stream(behaviour: Callable, method: str) -> Callable:
             code = "UNKNOWN" if code == "OK" else code
             raise
         finally:
-            _observe(method, code, started)
+            observe_rpc(method, code, started)
     return call
 
 

@@ -63,8 +63,8 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 
 
-def create_server(address: str, max_workers: int = 64, interceptors: Iterable[grpc.ServerInterceptor] = ()
-                  ) -> tuple[grpc.Server, int, health.HealthServicer]:
+def create_server(address: str, max_workers: int = 64, interceptors: Iterable[grpc.ServerInterceptor] = (),
+                  options: Iterable[tuple[str, object]] = ()) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started-later server bound to ``address`` (port 0 picks a free one); ``interceptors`` go
     innermost, after the metrics, decode and token checks.
 
@@ -77,7 +77,7 @@ def create_server(address: str, max_workers: int = 64, interceptors: Iterable[gr
         + list(interceptors)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="grpc"),
-                         options=SERVER_OPTIONS, interceptors=interceptors)
+                         options=SERVER_OPTIONS + list(options), interceptors=interceptors)
     cfg = tls.config()
     port = server.add_secure_port(address, cfg.server_credentials()) if cfg.serves else server.add_insecure_port(address)
     if port == 0:

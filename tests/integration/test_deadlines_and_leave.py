@@ -186,9 +186,12 @@ def test_a_worker_gives_up_waiting_for_a_new_primary_with_one_line():
 def hold_while_paused(monkeypatch, name: str, answering: threading.Event, calls: list, probe=lambda req: True):
     """``ChiefServicer.<name>`` blocks while ``answering`` is clear, as a paused chief (SIGSTOP: its socket
     takes the call, nothing answers) does; the arrival time of each call ``probe`` picks goes to ``calls``."""
+    from shoal.chief import aio
     from shoal.chief.servicer import ChiefServicer
 
     original = getattr(ChiefServicer, name)
+    # the aio chief runs its handlers on its event loop: a held one runs on a thread, as a slow probe does
+    monkeypatch.setattr(aio, "OFF_LOOP", aio.OFF_LOOP | {name})
 
     def held(self, request, context):
         if probe(request):

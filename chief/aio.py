@@ -1,0 +1,252 @@
+"""The chief's gRPC server on ``grpc.aio``: one event loop thread instead of a thread per call.
+
+Every member keeps a view watch open and heartbeats four times a lease. On grpcio's thread-pool server
+each open watch holds a thread, and with a thousand members the thousand threads and the one thread
+that takes every call off gRPC's queue share one GIL: heartbeats waited past their deadline while
+the chief's own work took a fraction of a core (bench/chief_grpc.py, bench/RESULTS.md). Here a watch
+is a coroutine waiting on an event, and the chief's handlers, which hold its lock for microseconds,
+run inline on the loop.
+
+The RPC logic stays in :class:`ChiefServicer` (sync, tested directly); this module adapts it:
+
+- each method is called with a context shim whose ``abort`` raises (as grpcio's sync context does),
+  caught here and sent with the aio context;
+- what grpcio's interceptors do for the other servers (shoal.rpc, shoal.metrics, shoal.auth) is done
+  in the one wrapper every method goes through: the job token, undecodable requests refused
+  INVALID_ARGUMENT, call durations and error counts, and ``GetView`` answering with bytes it
+  serialized once for every watcher;
+- ``ReportUnreachable`` probes a server (up to a second) and runs on a thread, off the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shoal import auth, tls
+from shoal.chief.servicer import ChiefServicer
+from shoal.errors import ShoalError
+from shoal.metrics import observe_rpc
+from shoal.proto import shoal_pb2 as pb
+from shoal.rpc import SERVER_OPTIONS
+
+SERVICE = "shoal.Chief"
+REQUESTS = {"Join": pb.JoinRequest, "Heartbeat": pb.HeartbeatRequest, "Leave": pb.LeaveRequest,
+            "GetView": pb.ViewRequest, "GetTasks": pb.TaskRequest, "ReportMetrics": pb.MetricsReport,
+            "GetJobStats": pb.Empty, "ReportUnreachable": pb.UnreachableReport}
+OFF_LOOP = frozenset({"ReportUnreachable"})      # may block (a probe of up to a second)
+# gRPC's overload protection (on whenever grpc.max_concurrent_streams is set, as shoal.rpc sets it)
+# refuses new calls (UNAVAILABLE, "RST_STREAM with error code 7") while more than that many have
+# arrived that the server has not taken up yet. With a thousand members the watches re-opened after a
+# view change pass that at once, and the heartbeats refused with them lapse leases: a chief would
+# rather answer a queued heartbeat late, within its deadline. The per-connection stream limit stays.
+OPTIONS = [("grpc.http.overload_protection", 0)]
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _SyncContext:
+    """What ChiefServicer's methods use of a sync grpc context, over an aio one."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self._context = context
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise _Aborted(code, details)
+
+    def invocation_metadata(self):
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def auth_context(self):
+        return self._context.auth_context()
+
+    def is_active(self) -> bool:
+        return not self._context.done()
+
+
+class _Undecodable:
+    def __init__(self, exc: Exception):
+        self.text = f"undecodable request: {exc}"
+
+
+def _safe(decode: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def safe(raw: bytes):
+        try:
+            return decode(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+            return _Undecodable(exc)
+    return safe
+
+
+def _bytes_or_serialized(reply) -> bytes:
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
+class _Waker:
+    """A watch's wake-up: ``set`` from any thread (the servicer calls it under its lock)."""
+
+    __slots__ = ("_loop", "event")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self.event = asyncio.Event()
+
+    def set(self) -> None:
+        self._loop.call_soon_threadsafe(self.event.set)
+
+
+class AsyncChief:
+    """The ``shoal.Chief`` service on an aio server, over a :class:`ChiefServicer`."""
+
+    def __init__(self, servicer: ChiefServicer, loop: asyncio.AbstractEventLoop):
+        self.servicer = servicer
+        self.loop = loop
+        self.token = auth.job_token()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        methods = {}
+        for name, request in REQUESTS.items():
+            behaviour = self._get_view if name == "GetView" else self._unary(name)
+            methods[name] = grpc.unary_unary_rpc_method_handler(
+                self._guarded(name, behaviour), request_deserializer=_safe(request.FromString),
+                response_serializer=_bytes_or_serialized)
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    def _guarded(self, name: str, behaviour):
+        method = f"/{SERVICE}/{name}"
+
+        async def call(request, context):
+            started, code = time.perf_counter(), "OK"
+            try:
+                if self.token is not None:
+                    why = auth.token_refused(self.token, context.invocation_metadata())
+                    if why:
+                        auth.REFUSALS.warning("unauthenticated", "refused %s from %s: %s job token", method,
+                                              context.peer(), why)
+                        raise _Aborted(grpc.StatusCode.UNAUTHENTICATED, auth.TOKEN_REFUSAL)
+                if isinstance(request, _Undecodable):
+                    auth.REFUSALS.warning("invalid", "refused %s from %s: %s", method, context.peer(), request.text)
+                    raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.text)
+                return await behaviour(request, context)
+            except _Aborted as a:
+                code = a.code.name
+                await context.abort(a.code, a.details)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception:
+                code = "UNKNOWN"
+                raise
+            finally:
+                observe_rpc(name, code, started)
+        return call
+
+    def _unary(self, name: str):
+        fn = getattr(self.servicer, name)
+        if name in OFF_LOOP:
+            async def off_loop(request, context):
+                return await self.loop.run_in_executor(None, fn, request, _SyncContext(context))
+            return off_loop
+
+        async def inline(request, context):
+            return fn(request, _SyncContext(context))
+        return inline
+
+    async def _get_view(self, request, context):
+        """``ChiefServicer.GetView``'s long poll as a coroutine (the same steps, chief/servicer.py)."""
+        s = self.servicer
+        waker = _Waker(self.loop)
+        try:
+            scope, deadline = s.watch_begin(request, waker)
+        except ShoalError as exc:
+            raise _Aborted(exc.code, str(exc)) from exc
+        answered = False
+        try:
+            while not s.watch_done(scope, request.after_epoch):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(waker.event.wait(), left)
+                except TimeoutError:
+                    break
+                waker.event.clear()
+            try:
+                reply = s.watch_answer(request, scope)
+            except ShoalError as exc:
+                raise _Aborted(exc.code, str(exc)) from exc
+            answered = True
+            return reply
+        finally:
+            s.watch_end(request, scope, waker, answered)
+
+
+class AioServer:
+    """A ``grpc.aio`` server on its own event-loop thread, driven like a sync ``grpc.Server``."""
+
+    def __init__(self, servicer: ChiefServicer, bind: str, options=tuple(OPTIONS)):
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="chief-grpc-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        self.port = self._call(self._bind(servicer, bind, list(options)))
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            self._done.set()
+
+    def _call(self, coro, timeout: float | None = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _bind(self, servicer: ChiefServicer, bind: str, options: list) -> int:
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS + options)
+        self.server.add_generic_rpc_handlers((AsyncChief(servicer, self.loop).handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        cfg = tls.config()
+        port = self.server.add_secure_port(bind, cfg.server_credentials()) if cfg.serves \
+            else self.server.add_insecure_port(bind)
+        if port == 0:
+            raise OSError(f"could not bind {bind}")
+        return port
+
+    def start(self) -> None:
+        self._call(self.server.start())
+
+    def set_serving(self, service: str, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def set_all():
+            await self.health.set(service, status)
+            await self.health.set("", status)
+        if self.loop.is_running() and not self._done.is_set():
+            self._call(set_all())
+
+    def stop(self, grace_s: float | None) -> None:
+        """Stops serving (calls under way get ``grace_s`` to finish), then the loop."""
+        if not self._done.is_set():
+            try:
+                self._call(self.server.stop(grace_s), timeout=None if grace_s is None else grace_s + 30)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=10)
+
+    def wait(self) -> None:
+        self._done.wait()
