@@ -103,14 +103,19 @@ def wait_until(pred, deadline_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def start_chief(tmp: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_chief(tmp: Path, extra: list[str], tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """``shoal chief`` on port 0; ``tree``: from that checkout instead (its roles linked under shoal/, as
+    scripts/mutate.py lays a scratch tree out), for a before/after comparison in one run."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     port_file = tmp / "chief.port"
     log = open(tmp / "chief.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "--log-level", "warning", "chief",
                              "--bind", "127.0.0.1:0", "--port-file", str(port_file),
                              "--journal", str(tmp / "chief.db"), "--num-shards", str(NUM_PS),
                              "--recovery", "fast", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until(lambda: proc.poll() is not None or (port_file.exists() and port_file.read_text().strip()),
                    60, "chief port file")
@@ -167,8 +172,9 @@ def run_case(n: int, args) -> dict:
     from shoal.proto import shoal_pb2_grpc as pb_grpc
 
     tmp = Path(tempfile.mkdtemp(prefix="shoal-chief-grpc-"))
-    chief, address = start_chief(tmp, args.chief_arg)
+    chief, address = start_chief(tmp, args.chief_arg, args.chief_tree)
     fleets: list[Fleet] = []
+    extra_ps = None         # the extra server of --trigger ps (a ChiefClient)
     ps: list[ChiefClient] = []
     try:
         for i in range(NUM_PS):
@@ -210,13 +216,22 @@ def run_case(n: int, args) -> dict:
                 # routing watch is answered with the epoch of its answer, which worker churn moves on
                 before = stub.GetView(pb.ViewRequest(after_epoch=-1), timeout=30).epoch
                 t = time.monotonic()
-                if not extra:       # a worker's watch is woken by servers coming and going, not workers
-                    req = pb.JoinRequest(role=pb.PS, host="trigger", address="127.0.0.1:49999") \
-                        if args.trigger == "ps" else pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout)
-                    extra, what = stub.Join(req, timeout=30).member_id, f"{args.trigger} join"
+                if not extra and args.trigger == "ps":  # a worker's watch is woken by servers, not workers;
+                    # the extra server heartbeats, or its lease would lapse before it leaves (a change too)
+                    extra_ps = ChiefClient(address, pb.PS, host="trigger", address_advertised="127.0.0.1:49999")
+                    extra_ps.join()
+                    extra_ps.start_background()
+                    extra, what = extra_ps.member_id, "ps join"
+                elif not extra:
+                    req = pb.JoinRequest(role=pb.WORKER, host="trigger", layout=layout)
+                    extra, what = stub.Join(req, timeout=30).member_id, "worker join"
+                elif args.trigger == "ps":
+                    extra_ps.leave()
+                    extra_ps.close()
+                    extra, what = "", "ps leave"
                 else:
                     stub.Leave(pb.LeaveRequest(member_id=extra), timeout=30)
-                    extra, what = "", f"{args.trigger} leave"
+                    extra, what = "", "worker leave"
                 epoch = before + 1
             except grpc.RpcError as exc:        # e.g. a chief whose job stopped: said in the row
                 trigger_errors.append(f"{exc.code().name}: {exc.details()}"[:300])
@@ -237,7 +252,7 @@ def run_case(n: int, args) -> dict:
             raise RuntimeError("a fleet gave no result: " + (tmp / "fleet.log").read_text()[-3000:])
         channel.close()
     finally:
-        for c in ps:
+        for c in ps + ([extra_ps] if extra_ps is not None else []):
             c.close()
         for f in fleets:
             try:
@@ -265,7 +280,8 @@ def run_case(n: int, args) -> dict:
             errors[k] = errors.get(k, 0) + v
     lasts = [p["last_ms"] for p in props if p["last_ms"] is not None]
     return {
-        "workers": n, "procs": len(fleets), "scope": args.scope, "trigger": args.trigger, "window_s": round(wall, 1), "join_all_s": round(join_s, 1),
+        "workers": n, "procs": len(fleets), "scope": args.scope, "trigger": args.trigger,
+        "chief_tree": str(args.chief_tree or ""), "window_s": round(wall, 1), "join_all_s": round(join_s, 1),
         "heartbeat_ms": percentiles([x for r in results for x in r["heartbeat_ms"]]),
         "get_tasks_ms": percentiles([x for r in results for x in r["tasks_ms"]]),
         "view_change_to_last_watcher_ms": {"max": max(lasts) if lasts else None,
@@ -336,6 +352,9 @@ def main() -> None:
     ap.add_argument("--trigger", choices=("ps", "worker"), default="",
                     help="the view changes made in the window: an extra server or worker joining and leaving "
                          "(default: ps for --scope routing, worker for full)")
+    ap.add_argument("--chief-tree", type=Path,
+                    help="run the chief from this checkout (e.g. `git worktree add /tmp/old REV`, then link "
+                         "proto ps worker chief under its shoal/) to compare it with this one in one run")
     ap.add_argument("--chief-arg", action="append", default=[], help="extra argument for `shoal chief` (repeat)")
     ap.add_argument("--keep", action="store_true", help="keep each case's chief log, journal and fleet log")
     ap.add_argument("--label", default="", help="tag every line (e.g. before/after)")

@@ -45,6 +45,8 @@ OFF_LOOP = frozenset({"ReportUnreachable"})      # may block (a probe of up to a
 # view change pass that at once, and the heartbeats refused with them lapse leases: a chief would
 # rather answer a queued heartbeat late, within its deadline. The per-connection stream limit stays.
 OPTIONS = [("grpc.http.overload_protection", 0)]
+LAG_PROBE_S = 0.05          # the loop's lag is measured this often...
+LAG_DECAY = 0.85            # ...and a past peak fades to a fifth in about half a second
 
 
 class _Aborted(Exception):
@@ -198,6 +200,7 @@ class AioServer:
     def __init__(self, servicer: ChiefServicer, bind: str, options=tuple(OPTIONS)):
         self._ready = threading.Event()
         self._done = threading.Event()
+        self._lag = 0.0
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="chief-grpc-loop", daemon=True)
         self._thread.start()
@@ -229,6 +232,20 @@ class AioServer:
 
     def start(self) -> None:
         self._call(self.server.start())
+        self._lag_probe = asyncio.run_coroutine_threadsafe(self._measure_lag(), self.loop)
+
+    @property
+    def lag_s(self) -> float:
+        """How late the event loop runs what is due now: how long a call waits before the chief takes it
+        up (the largest in the last second or so)."""
+        return self._lag
+
+    async def _measure_lag(self) -> None:
+        while True:
+            asked = self.loop.time()
+            await asyncio.sleep(LAG_PROBE_S)
+            late = max(0.0, self.loop.time() - asked - LAG_PROBE_S)
+            self._lag = max(late, self._lag * LAG_DECAY)
 
     def set_serving(self, service: str, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -241,6 +258,8 @@ class AioServer:
 
     def stop(self, grace_s: float | None) -> None:
         """Stops serving (calls under way get ``grace_s`` to finish), then the loop."""
+        if getattr(self, "_lag_probe", None) is not None:
+            self._lag_probe.cancel()
         if not self._done.is_set():
             try:
                 self._call(self.server.stop(grace_s), timeout=None if grace_s is None else grace_s + 30)

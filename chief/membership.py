@@ -68,6 +68,12 @@ class Membership:
         self._max_gap_s: float | None = None           # see bridge_pauses_over
         self._last_check: float | None = None
         self.pauses_bridged = 0
+        # How far behind the chief's own server is in taking calls (its event loop's lag, chief/aio.py):
+        # a heartbeat that waited that long in the chief's queue was sent in time, so a lease is judged
+        # that much later. Without it an overloaded chief expires members for its own backlog, they
+        # join again, and the joins and view changes deepen the backlog (bench/chief_grpc.py).
+        self.backlog_s = 0.0
+        self._backlog_warned = 0.0
         self._servers_hold_s: float | None = None      # see hold_when_servers_silent
         self._servers_silent_since: float | None = None
         self.isolations_held = 0
@@ -130,12 +136,13 @@ class Membership:
         worker has one open nearly all the time: it re-opens it as soon as one is answered)."""
         now = self._clock()
         self._bridge_gap(now)
+        self._warn_backlog(now)
         hold_servers = self._servers_silent(now)
         gone = []
         for m in self._members.values():
             if not m.live or hold_servers and m.role is Role.PS:
                 continue
-            if m.lease_until < now:
+            if m.lease_until + self.backlog_s < now:
                 log.info("member %s expired (no heartbeat for %.1fs)", m.member_id, self.lease_seconds)
             elif self._lost_unwatched(m.member_id, now):
                 log.info("member %s expired (a parameter server saw its data connection drop and it has "
@@ -146,6 +153,13 @@ class Membership:
             self._dirty[m.member_id] = None
             gone.append(m)
         return gone
+
+    def _warn_backlog(self, now: float) -> None:
+        if self.backlog_s > self.lease_seconds / 4 and now - self._backlog_warned > 60:
+            self._backlog_warned = now
+            log.warning("the chief is %.1fs behind in taking calls: leases are judged that much later. At this "
+                        "many members (%d live) it needs a longer --lease-seconds (fewer heartbeats) or a faster "
+                        "host", self.backlog_s, sum(1 for m in self._members.values() if m.live))
 
     def bridge_pauses_over(self, max_gap_s: float) -> None:
         """Lease checks (:meth:`expire`) are expected at most ``max_gap_s`` apart (the chief's ticker); a

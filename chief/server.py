@@ -126,6 +126,7 @@ class ChiefServer:
             if self.state.stopped and not self.stopped.is_set():
                 log.error("job stopped: %s", self.state.stopped)
                 self.stopped.set()
+            self.state.members.backlog_s = self.server.lag_s    # its own queue counts against no member
             try:
                 self.servicer.tick()
             except JournalError:

@@ -238,3 +238,25 @@ def test_members_by_role(clock, caplog):
     assert list(m.all(Role.PS)) == [p] and list(m.all(Role.WORKER)) == [w] and list(m.all()) == [w, p]
     assert m.alive(Role.PS) == [p]
     assert "member ps-0 joined (ps at h:1)" in caplog.text and "member worker-0 joined (worker)" in caplog.text
+
+
+def test_a_chief_behind_in_taking_calls_judges_leases_that_much_later(clock, caplog):
+    """Heartbeats waiting in the chief's own queue (its event loop's lag) were sent in time."""
+    m = Membership(LEASE, clock)
+    a, b = m.join(Role.WORKER), m.join(Role.PS)
+    clock.advance(LEASE + 0.5)                    # both leases passed half a second ago...
+    m.backlog_s = 1.0                             # ...but the chief is a second behind
+    with caplog.at_level(logging.WARNING):
+        assert m.expire() == []
+    assert "1.0s behind in taking calls" in caplog.text
+    clock.advance(0.6)                            # now past lease + backlog
+    assert {x.member_id for x in m.expire()} == {a.member_id, b.member_id}
+
+
+def test_a_backlog_under_a_quarter_lease_is_not_warned_about(clock, caplog):
+    m = Membership(LEASE, clock)
+    m.join(Role.WORKER)
+    m.backlog_s = LEASE / 4
+    with caplog.at_level(logging.WARNING):
+        m.expire()
+    assert "behind in taking calls" not in caplog.text
