@@ -5,7 +5,7 @@ no parameter servers): one gRPC channel of its own (so one connection, as a real
 ``Join`` as a worker, a heartbeat every lease/4 with counters, task progress and a step time (as
 ``ChiefClient._heartbeat_loop`` sends), ``GetTasks`` every ``task_period`` seconds reporting the
 finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch
-that long-polls ``GetView(after_epoch, timeout 5 s, member_id, scope)`` and re-opens at once (as
+that long-polls ``GetView(after_epoch, timeout WATCH_S, member_id, scope)`` and re-opens at once (as
 ``ChiefClient._watch_loop``; the scope is ROUTING, as a worker's, unless the fifth argument says
 ``full``). Every received view is parsed (as a real member parses its own).
 
@@ -28,6 +28,8 @@ import grpc
 
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
+
+WATCH_S = 25.0      # as shoal.chief_client.WATCH_S (not imported: that module brings torch)
 
 LAYOUT = pb.ModelLayout(tensors=[pb.TensorSpec(name="w", shape=[1000], dtype="float32")])
 JOIN_CONCURRENCY = 16
@@ -110,9 +112,9 @@ class FakeWorker:
     async def watch(self) -> None:
         while True:
             try:
-                view = await self.stub.GetView(pb.ViewRequest(after_epoch=self.epoch, timeout_seconds=5.0,
+                view = await self.stub.GetView(pb.ViewRequest(after_epoch=self.epoch, timeout_seconds=WATCH_S,
                                                               member_id=self.member_id, scope=self.scope),
-                                               timeout=5.0 + max(1.0, self.lease_s))
+                                               timeout=WATCH_S + max(1.0, self.lease_s))
             except grpc.RpcError as exc:
                 self.rec.error("view", exc)
                 await asyncio.sleep(0.1)

@@ -107,7 +107,7 @@ def start_chief(tmp: Path, extra: list[str], tree: Path | None = None) -> tuple[
     """``shoal chief`` on port 0; ``tree``: from that checkout instead (its roles linked under shoal/, as
     scripts/mutate.py lays a scratch tree out), for a before/after comparison in one run."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if tree is not None:
+    if tree is not None:        # and run from there: `python -m` puts the current directory first
         env["PYTHONPATH"] = str(tree)
     port_file = tmp / "chief.port"
     log = open(tmp / "chief.log", "w")
@@ -115,7 +115,7 @@ def start_chief(tmp: Path, extra: list[str], tree: Path | None = None) -> tuple[
                              "--bind", "127.0.0.1:0", "--port-file", str(port_file),
                              "--journal", str(tmp / "chief.db"), "--num-shards", str(NUM_PS),
                              "--recovery", "fast", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
     try:
         wait_until(lambda: proc.poll() is not None or (port_file.exists() and port_file.read_text().strip()),
                    60, "chief port file")
@@ -300,15 +300,21 @@ def run_case(n: int, args) -> dict:
 
 
 def plot(out: Path, files: list[Path]) -> None:
-    """Heartbeat latency, view propagation and the chief's CPU against workers, one style per file."""
+    """Heartbeat latency, view propagation and the chief's CPU against workers, one style per label."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, axv, axc) = plt.subplots(1, 3, figsize=(15, 4.5))
-    for fi, f in enumerate(files):
-        rows = sorted((json.loads(x) for x in f.read_text().splitlines() if x.strip()), key=lambda r: r["workers"])
-        label, style = rows[0].get("label") or f.stem, ["-", "--", ":"][fi % 3]
+    series: dict[str, list[dict]] = {}              # one line per label (a file's name when unlabelled)
+    for f in files:
+        for x in f.read_text().splitlines():
+            if x.strip():
+                row = json.loads(x)
+                series.setdefault(row.get("label") or f.stem, []).append(row)
+    for fi, (label, rows) in enumerate(series.items()):
+        rows = sorted(rows, key=lambda r: r["workers"])
+        style = ["-", "--", ":", "-."][fi % 4]
         xs = [r["workers"] for r in rows]
         for i, q in enumerate(("p50", "p99")):
             ax.plot(xs, [r["heartbeat_ms"].get(q) for r in rows], style, color=f"C{i}", marker="o",
