@@ -67,7 +67,7 @@ MODULES: dict[str, list[str]] = {
     "chief/placement.py": [U + "test_placement_edges.py", U + "test_placement.py"],
     "shoal/checkpoint_store.py": [U + "test_checkpoint_store_edges.py", U + "test_checkpoint.py", U + "test_checksum_chunks.py",
                                   U + "test_checkpoint_cut.py"],
-    "ps/shard.py": [U + "test_shard_rounds.py", U + "test_replication_order.py", U + "test_ledger_counts.py",
+    "ps/shard.py": [U + "test_shard_mutants.py", U + "test_shard_rounds.py", U + "test_replication_order.py", U + "test_ledger_counts.py",
                     U + "test_shard_optimizer.py", U + "test_changes.py", U + "test_checkpoint_cut.py",
                     I + "test_ps_servicer.py", I + "test_tcp_channel.py"],
     "ps/replication.py": [U + "test_replication_edges.py", U + "test_replication_order.py", U + "test_backup_recopy.py",
