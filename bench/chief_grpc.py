@@ -314,22 +314,17 @@ def plot(out: Path, files: list[Path]) -> None:
                 series.setdefault(row.get("label") or f.stem, []).append(row)
     for fi, (label, rows) in enumerate(series.items()):
         rows = sorted(rows, key=lambda r: r["workers"])
-        style = ["-", "--", ":", "-."][fi % 4]
+        color = f"C{fi % 10}"
         xs = [r["workers"] for r in rows]
-        for i, q in enumerate(("p50", "p99")):
-            ax.plot(xs, [r["heartbeat_ms"].get(q) for r in rows], style, color=f"C{i}", marker="o",
-                    label=f"heartbeat {q} ({label})")
-        axv.plot(xs, [r["view_change_to_last_watcher_ms"]["max"] for r in rows], style, color="C2", marker="o",
-                 label=f"worst of the changes ({label})")
-        axc.plot(xs, [r["chief_cpu_per_wall_s"] for r in rows], style, color="C3", marker="o",
-                 label=f"chief CPU ({label})")
-        axc.plot(xs, [r["chief_runqueue_wait_per_wall_s"] for r in rows], style, color="C4", marker="s",
-                 label=f"chief waiting for a CPU ({label})")
-        axc.plot(xs, [r["fleet_cpu_per_wall_s"] for r in rows], style, color="C5", marker="^",
-                 label=f"fake workers' CPU ({label})")
+        for q, style, marker in (("p50", ":", "o"), ("p99", "-", "s")):
+            ax.plot(xs, [r["heartbeat_ms"].get(q) for r in rows], style, color=color, marker=marker,
+                    label=f"{q} ({label})")
+        axv.plot(xs, [r["view_change_to_last_watcher_ms"]["max"] for r in rows], "-", color=color, marker="o",
+                 label=label)
+        axc.plot(xs, [r["chief_cpu_per_wall_s"] for r in rows], "-", color=color, marker="o", label=label)
     for a, title, ylabel in ((ax, "heartbeat latency (answered calls)", "ms"),
                              (axv, "view change to the last watcher", "ms"),
-                             (axc, "seconds per wall second", "s/s")):
+                             (axc, "the chief's CPU per wall second", "s/s")):
         a.set_xlabel("fake workers")
         a.set_ylabel(ylabel)
         a.set_title(title)
@@ -337,7 +332,7 @@ def plot(out: Path, files: list[Path]) -> None:
         a.legend(fontsize=7)
     ax.set_yscale("log")
     axv.set_yscale("log")
-    fig.suptitle("chief over gRPC on loopback, 2 cores (before, after: load ~20; quiet: load < 3; see bench/RESULTS.md)",
+    fig.suptitle("chief over gRPC on loopback, 2 cores shared with the fake workers (labels and load: bench/RESULTS.md)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
