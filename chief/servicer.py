@@ -203,9 +203,9 @@ class ChiefServicer(pb_grpc.ChiefServicer):
 
     @grpc_errors
     def GetView(self, request, context):
-        """Answers with the view's bytes, already serialized: the server registers this method with
-        ``shoal.rpc.PreSerialized`` (chief/server.py). What wakes a watch of each scope and what it
-        gets: chief/views.py. chief/aio.py runs the same steps as a coroutine."""
+        """Answers with the view's bytes, already serialized once for every watcher (the server's
+        serializer passes bytes through: chief/aio.py, which runs the same steps as a coroutine).
+        What wakes a watch of each scope and what it gets: chief/views.py."""
         woke = threading.Event()
         answered = []
         if context is not None:

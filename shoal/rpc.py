@@ -103,26 +103,6 @@ def open_channel(address: str, credential: Callable[[], str] | None = None) -> g
     return auth.authenticated(channel, credential)
 
 
-class PreSerialized(grpc.ServerInterceptor):
-    """Lets the unary-reply ``methods`` (full names: ``/shoal.Chief/GetView``) answer with bytes they
-    serialized themselves, e.g. one message sent to many callers and serialized once; a message
-    they return is serialized as usual."""
-
-    def __init__(self, *methods: str):
-        self._methods = frozenset(methods)
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or details.method not in self._methods or handler.response_serializer is None:
-            return handler
-        serialize = handler.response_serializer
-
-        def bytes_or_serialized(reply) -> bytes:
-            return reply if isinstance(reply, bytes) else serialize(reply)
-
-        return handler._replace(response_serializer=bytes_or_serialized)
-
-
 class _Undecodable:
     """What a request that does not parse becomes, so the call is refused INVALID_ARGUMENT (gRPC's own
     answer to a failed deserializer is INTERNAL with an ERROR traceback in the log)."""
