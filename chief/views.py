@@ -78,11 +78,13 @@ class ViewBoard:
 
     def changed(self) -> None:
         """The state may have a new epoch: wake the full watches, and the routing ones if theirs changed."""
-        for woke in self.watches[pb.FULL]:
-            woke.set()
+        self._wake(pb.FULL)
         if self._refresh():
-            for woke in self.watches[pb.ROUTING]:
-                woke.set()
+            self._wake(pb.ROUTING)
+
+    def _wake(self, scope: int) -> None:
+        for woke in self.watches[scope]:
+            woke.set()
 
     # ------------------------------------------------------------ answers
 
@@ -95,7 +97,8 @@ class ViewBoard:
             if fresh or self._full is None or self._full[0] != epoch:
                 self._full = (epoch, convert.view_to_pb(self.state.view()).SerializeToString())
             return self._full[1]
-        self._refresh()
+        if self._refresh():             # a change nobody announced: the other routing watches see it too
+            self._wake(pb.ROUTING)
         if fresh or self._routing is None or self._routing[0] != self.routing_epoch:
             msg = convert.view_to_pb(self.state.routing_view())
             for m in msg.members:

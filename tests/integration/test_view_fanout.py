@@ -257,3 +257,25 @@ def test_a_routing_change_made_outside_the_servicer_reaches_routing_watches_with
     t0 = time.monotonic()
     view = call.result()
     assert len(view.members) == 2 and time.monotonic() - t0 < 2.5
+
+
+def test_a_routing_change_found_by_a_read_wakes_the_other_routing_watches():
+    """A change made without the servicer (under its lock) that a read finds first: the read must not
+    keep it from the open watches until the ticker's next look (here 5 s away)."""
+    server = ChiefServer(JobConfig(num_shards=1, lease_seconds=30.0), bind="127.0.0.1:0", tick_s=5.0).start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.ChiefStub(channel)
+        join_ps(stub, 1)
+        (worker,) = join(stub, 1)
+        epoch = stub.GetView(pb.ViewRequest(after_epoch=-1, scope=pb.ROUTING), timeout=5).epoch
+        call = routing_watch(stub, worker, epoch)
+        wait_for(lambda: len(server.servicer.views.watches[pb.ROUTING]) == 1)
+        with server.servicer.lock:      # changed, then answered (a read whose watch began before the change)
+            server.state.join_ps("127.0.0.1:2")
+            server.servicer.views.answer(pb.ROUTING, "", fresh=True)
+        t0 = time.monotonic()
+        assert len(call.result(timeout=10).members) == 2 and time.monotonic() - t0 < 2.0
+    finally:
+        channel.close()
+        server.stop(grace_s=0.2)
