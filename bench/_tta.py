@@ -2,6 +2,7 @@
 order of DDP's ranks, and the summary over rounds. No torch, no processes: tests/unit/test_tta.py."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -14,22 +15,35 @@ DDP = "ddp-gloo"
 
 @dataclass(frozen=True)
 class Case:
-    """A shoal case, ``CODEC[/PULL][@SHARDS:WINDOW]`` as in bench/mlp.py (``bf16/bf16@32:2``): the gradient
-    codec, the pull codec, the shards (None: one per server) and the push window (0: off)."""
+    """A shoal case, ``CODEC[/PULL][@SHARDS:WINDOW][+server-momentum]`` as in bench/mlp.py
+    (``bf16/bf16@32:2``): the gradient codec, the pull codec, the shards (None: one per server), the
+    push window (0: off), and whether the momentum stays on the servers for a sparse codec
+    (``Trainer(momentum_correction=False)``; by default the workers keep it)."""
     codec: str
     pull_codec: str = "none"
     shards: int | None = None
     window: int = 0
+    server_momentum: bool = False
 
     def name(self, mode: str, ps: int) -> str:
         return (f"shoal-{mode}-{self.codec}" + (f"-pull-{self.pull_codec}" if self.pull_codec != "none" else "")
                 + (f"-shards{self.shards}" if self.shards not in (None, ps) else "")
-                + (f"-window{self.window}" if self.window else ""))
+                + (f"-window{self.window}" if self.window else "")
+                + ("-server-momentum" if self.server_momentum else ""))
+
+
+SERVER_MOMENTUM = "+server-momentum"
 
 
 def parse_case(spec: str) -> Case:
-    """``CODEC[/PULL][@SHARDS:WINDOW]``; a ValueError names what is wrong (argparse shows it)."""
-    codecs, at, pipe = spec.partition("@")
+    """``CODEC[/PULL][@SHARDS:WINDOW][+server-momentum]``; a ValueError names what is wrong (argparse shows it)."""
+    server_momentum = spec.endswith(SERVER_MOMENTUM)
+    case = _parse_case(spec[:-len(SERVER_MOMENTUM)] if server_momentum else spec, spec)
+    return dataclasses.replace(case, server_momentum=True) if server_momentum else case
+
+
+def _parse_case(text: str, spec: str) -> Case:
+    codecs, at, pipe = text.partition("@")
     codec, _, pull = codecs.partition("/")
     if not codec or (codecs.count("/") and not pull) or codecs.count("/") > 1:
         raise ValueError(f"case {spec!r}: expected CODEC[/PULL][@SHARDS:WINDOW]")

@@ -210,7 +210,8 @@ def _shoal_worker(namespace: str | None, index: int, chief: str, run: Run, case:
     torch.manual_seed(SEED)
     model = build_model(HIDDEN, DEPTH)
     trainer = Trainer(model, chief=chief, optimizer="sgd", lr=LR, momentum=MOMENTUM, compression=case.codec,
-                      pull_codec=case.pull_codec, push_window=case.window)
+                      pull_codec=case.pull_codec, push_window=case.window,
+                      momentum_correction=not case.server_momentum)
     sig.ready.wait()
     ev = Evaluator(run, model, test, lambda _: sum(sig.steps[:])) if index == 0 else None
     batches = trainer.batches((xtr, ytr), batch_size=BATCH, epochs=EPOCHS, seed=SEED)
@@ -328,7 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", type=_case, default=[_case(s) for s in ("none", "none@32:2",
                                                                                "bf16/bf16@32:2", "topk")],
-                   metavar="CODEC[/PULL][@SHARDS:WINDOW]", help="shoal cases (default: none none@32:2 bf16/bf16@32:2 topk)")
+                   metavar="CODEC[/PULL][@SHARDS:WINDOW][+server-momentum]",
+                   help="shoal cases (default: none none@32:2 bf16/bf16@32:2 topk); +server-momentum keeps a "
+                        "sparse codec's momentum on the servers (Trainer(momentum_correction=False))")
     p.add_argument("--mode", default="async", choices=["async", "sync"], help="the shoal cases' mode")
     p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (default 0.95)")
     p.add_argument("--max-seconds", type=float, default=240.0, help="training seconds a case may take at most")

@@ -19,13 +19,15 @@ from _tta import Case, Point  # noqa: E402
     ("none@32:2", Case("none", "none", 32, 2)),
     ("bf16/bf16@32:2", Case("bf16", "bf16", 32, 2)),
     ("topk:0.05@4:0", Case("topk:0.05", "none", 4, 0)),
+    ("topk+server-momentum", Case("topk", server_momentum=True)),
+    ("topk@4:2+server-momentum", Case("topk", "none", 4, 2, True)),
 ])
 def test_a_case_is_codec_pull_and_pipeline_as_in_mlp(spec, case):
     assert _tta.parse_case(spec) == case
 
 
 @pytest.mark.parametrize("spec", ["", "/bf16", "none/", "a/b/c", "none@32", "none@32:", "none@x:2", "none@0:2",
-                                  "none@4:-1", "@4:2"])
+                                  "none@4:-1", "@4:2", "+server-momentum", "topk@4+server-momentum"])
 def test_a_malformed_case_is_refused(spec):
     with pytest.raises(ValueError):
         _tta.parse_case(spec)
@@ -35,6 +37,7 @@ def test_case_names_follow_mlp_and_leave_out_the_defaults():
     assert Case("none").name("async", ps=2) == "shoal-async-none"
     assert Case("none", "none", 2, 0).name("async", ps=2) == "shoal-async-none"
     assert Case("bf16", "bf16", 32, 2).name("sync", ps=2) == "shoal-sync-bf16-pull-bf16-shards32-window2"
+    assert Case("topk", server_momentum=True).name("async", ps=2) == "shoal-async-topk-server-momentum"
 
 
 def curve(*accuracies: float) -> list[Point]:
@@ -116,6 +119,7 @@ def test_a_case_that_never_reached_the_target_has_no_median():
 @pytest.mark.parametrize("argv, says", [
     (["--cases", "bogus"], "unknown compressor 'bogus'"),
     (["--cases", "bf16/int8"], "unknown pull codec 'int8'"),
+    (["--cases", "topk+server"], "unknown compressor 'topk+server'"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--target", "1.5"], "--target is a test accuracy"),
 ])
@@ -130,5 +134,6 @@ def test_the_bench_refuses_a_typo_before_it_starts_anything(argv, says, capsys):
 def test_the_bench_takes_the_codec_specs_the_worker_takes():
     import tta
 
-    args = tta.parse_args(["--cases", "topk:0.05", "sign+lz4@4:2", "bf16/fp16"])
-    assert [c.codec for c in args.cases] == ["topk:0.05", "sign+lz4", "bf16"]
+    args = tta.parse_args(["--cases", "topk:0.05", "sign+lz4@4:2", "bf16/fp16", "sign+lz4+server-momentum"])
+    assert [c.codec for c in args.cases] == ["topk:0.05", "sign+lz4", "bf16", "sign+lz4"]
+    assert [c.server_momentum for c in args.cases] == [False, False, False, True]
