@@ -30,10 +30,6 @@ from shoal.rpc import check_address, grpc_errors, probe
 log = logging.getLogger(__name__)
 
 MAX_VIEW_WAIT_S = 30.0
-# An open watch waits on an event of its own, set when the epoch changes (or its call ends), without the
-# chief's lock; it re-reads the epoch this often anyway, for a change made outside the servicer (the
-# checkpointer). A thousand idle watches cost no lock and no wake-up between changes but these.
-WATCH_POLL_S = 1.0
 
 
 class ChiefServicer(pb_grpc.ChiefServicer):
@@ -201,34 +197,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             self._wake_watchers()
             return pb.Empty()
 
-    @grpc_errors
-    def GetView(self, request, context):
-        """Answers with the view's bytes, already serialized once for every watcher (the server's
-        serializer passes bytes through: chief/aio.py, which runs the same steps as a coroutine).
-        What wakes a watch of each scope and what it gets: chief/views.py."""
-        woke = threading.Event()
-        answered = []
-        if context is not None:
-            context.add_callback(woke.set)          # the call ended (cancelled, timed out): stop waiting
-            if request.member_id:               # reported once the call has ended (see watch_end)
-                context.add_callback(lambda: self._watch_closed(request.member_id, bool(answered)))
-        scope, deadline = self.watch_begin(request, woke)
-        try:                # the epochs are ints: read without the lock, which only the answer takes
-            while not self.watch_done(scope, request.after_epoch) and (context is None or context.is_active()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                woke.wait(min(left, WATCH_POLL_S))
-                woke.clear()
-                if self.views.stale():          # a change made outside the servicer (the checkpointer)
-                    with self._cond:
-                        if self.views.stale():
-                            self.views.changed()
-            reply = self.watch_answer(request, scope)
-            answered.append(True)
-            return reply
-        finally:
-            self.watch_end(request, scope, woke)
+    # GetView, the view watch (a long poll), is a coroutine on the chief's aio server (chief/aio.py),
+    # made of these steps. What wakes a watch of each scope and what it gets: chief/views.py.
 
     def watch_begin(self, request, woke) -> tuple[int, float]:
         """Opens a view watch: its scope and the monotonic time it is answered by at the latest.
@@ -255,16 +225,17 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 return self.views.unchanged(request.after_epoch)
             return self.views.answer(scope, request.member_id, fresh=request.after_epoch < 0)
 
-    def watch_end(self, request, scope: int, woke, answered: bool | None = None) -> None:
-        """Closes a watch; with ``answered`` (True or False), reports its end for the watcher's lease
-        (:meth:`_watch_closed`; the sync server reports it from the call's end callback instead)."""
+    def watch_end(self, request, scope: int, woke, answered: bool) -> None:
+        """Closes a watch and reports its end for the watcher's lease (:meth:`_watch_closed`)."""
         with self._cond:
             self.views.watches[scope].discard(woke)
-        if answered is not None and request.member_id:
+        if request.member_id:
             self._watch_closed(request.member_id, answered)
 
     def _watch_closed(self, member_id: str, answered: bool) -> None:
-        """gRPC's callback for a watch that ended, answered or not (it must not raise)."""
+        """A watch ended, answered or not. One that breaks off before its answer means the process (or its
+        socket) is gone: its lease is cut to a third, which a live member's next heartbeat (every quarter
+        lease) renews. Must not raise."""
         with self._cond:
             if self.failed is not None:
                 return
