@@ -4,6 +4,7 @@ Each test names the behaviour it checks; the cosmic-ray mutant it was written ag
 its docstring. No sleeps: the step clock is a fake, everything else is synchronous.
 """
 import logging
+import re
 import time
 
 import grpc
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal.worker.trainer as trainer_mod
-from shoal.errors import InvalidArgument
+from shoal.errors import InvalidArgument, Unreachable
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker import Trainer
 
@@ -221,3 +222,88 @@ def test_close_goes_on_leaving_when_reporting_finished_tasks_fails(cluster_facto
     t.close()
     assert feed.closed and t._closed and t._feed is None
     assert any("could not report finished tasks" in r.getMessage() for r in caplog.records)
+
+
+def test_the_options_default_to_overlapped_pushes(cluster_factory):
+    """Mutant: ``overlap: bool = False`` (the pushes would wait for step() instead of the backward pass)."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        assert t._readiness is not None
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1, overlap=False) as t:
+        assert t._readiness is None
+
+
+def test_with_top_k_and_momentum_the_momentum_moves_to_the_worker_unless_told_not_to(cluster_factory):
+    """Mutant: ``server_optimizer(...) if not momentum_correction else spec``."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1, momentum=0.9, compression="topk") as t:
+        assert t.optimizer.hparams.get("worker_momentum") == 0.9 and not t.optimizer.hparams.get("momentum")
+        assert t.momentum.active(0)         # the shard this worker created left the momentum to it
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1, momentum=0.9, compression="topk",
+                 momentum_correction=False) as t:
+        assert t.optimizer.hparams.get("momentum") == 0.9
+        assert not t.momentum.active(0)
+
+
+def test_only_the_worker_that_creates_a_shard_says_it_initialised_it(cluster_factory, caplog):
+    """Mutant: ``if not reply.created`` (the log line would name the wrong worker)."""
+    c = cluster_factory(2, mode="async")
+    caplog.set_level(logging.INFO, logger=trainer_mod.__name__)
+
+    def said():
+        return sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("initialised shard"))
+
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1):
+        assert said() == ["initialised shard 0 from this worker's weights",
+                          "initialised shard 1 from this worker's weights"]
+        caplog.clear()
+        with Trainer(mlp(1), chief=c.chief_address, lr=0.1):
+            assert said() == []
+
+
+def test_the_heartbeat_reports_how_far_the_current_task_got(cluster_factory):
+    """Mutant: ``for task_id, next_start in []`` in _fill_heartbeat (the chief would not learn the progress)."""
+    c = cluster_factory(2, mode="async")
+    model = mlp(0)
+    x, y = data(SIZE)
+    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        for xb, yb in t.batches((x, y), batch_size=BATCH, epochs=1):
+            task, stop = t._batch.task, t._batch.stop
+            one_step(t, model, xb, yb, samples=len(xb))
+            req = pb.HeartbeatRequest()
+            t._fill_heartbeat(req)
+            assert [(p.task_id, p.next_start) for p in req.progress] == [(task.task_id, stop)]
+            break
+
+
+def test_with_a_sampler_each_step_names_one_batch_by_default(cluster_factory):
+    """Mutants: ``batches: int = 0`` and ``= 2`` in step() (no batch named; two batches named per step)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from shoal.worker import DistributedSampler
+
+    c = cluster_factory(2, mode="async")
+    model = mlp(0)
+    x, y = data(SIZE)
+    ds = TensorDataset(x, y)
+    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, trainer=t)
+        loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0)
+        steps = 0
+        for xb, yb in loader:
+            one_step(t, model, xb, yb)
+            steps += 1
+            for shard in (s for ps in c.servers for s in ps.host.shards.values()):
+                starts = shard.ledger.starts(0)
+                assert len(starts) == steps and set(starts.values()) == {1}
+        assert steps == SIZE // BATCH
+        assert t.counters.samples == SIZE
+    assert_exactly_once(c, SIZE, BATCH, 1)
+
+
+def test_an_unreachable_chief_is_reported_with_the_time_waited():
+    """Mutant: ``time.monotonic() + t0`` in the Unreachable message."""
+    with pytest.raises(Unreachable, match=r"cannot reach the chief at 127\.0\.0\.1:1: gave up after \d+ s") as err:
+        Trainer(mlp(0), chief="127.0.0.1:1", connect_timeout_s=0.2)
+    waited = int(re.search(r"gave up after (\d+) s", str(err.value)).group(1))
+    assert waited <= 30                 # about the 0.2 s asked for, not a clock reading
