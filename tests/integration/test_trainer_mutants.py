@@ -307,3 +307,51 @@ def test_an_unreachable_chief_is_reported_with_the_time_waited():
         Trainer(mlp(0), chief="127.0.0.1:1", connect_timeout_s=0.2)
     waited = int(re.search(r"gave up after (\d+) s", str(err.value)).group(1))
     assert waited <= 30                 # about the 0.2 s asked for, not a clock reading
+
+
+class RpcFailure(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def fail_once(monkeypatch, obj, name, exc):
+    """``obj.name`` raises ``exc`` on its first call, then behaves as before."""
+    real, calls = getattr(obj, name), []
+
+    def once(*args, **kw):
+        calls.append(args)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kw)
+
+    monkeypatch.setattr(obj, name, once)
+    return calls
+
+
+def test_a_shard_status_error_that_is_no_failover_is_raised_not_retried(cluster_factory, monkeypatch):
+    """Mutant: ``if is_failover(exc) and exc.code() != DEADLINE_EXCEEDED`` in _follow_shards (an INTERNAL
+    error would send the worker looking for another primary instead of failing)."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        calls = fail_once(monkeypatch, t._clients[0], "status", RpcFailure(grpc.StatusCode.INTERNAL, "boom (test)"))
+        with pytest.raises(grpc.RpcError) as err:
+            t._follow_shards()
+        assert err.value.code() == grpc.StatusCode.INTERNAL and len(calls) == 1
+
+
+def test_a_shard_init_error_that_is_no_failover_is_raised_not_retried(cluster_factory, monkeypatch):
+    """Mutant: ``if is_failover(exc): raise`` in _initialise_or_pull's init loop."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        fail_once(monkeypatch, t, "_pull_shard",
+                  RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
+        calls = fail_once(monkeypatch, t._clients[0], "init", RpcFailure(grpc.StatusCode.INTERNAL, "boom (test)"))
+        with pytest.raises(grpc.RpcError) as err:
+            t._initialise_or_pull()
+        assert err.value.code() == grpc.StatusCode.INTERNAL and len(calls) == 1
