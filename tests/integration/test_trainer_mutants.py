@@ -233,17 +233,22 @@ def test_the_options_default_to_overlapped_pushes(cluster_factory):
         assert t._readiness is None
 
 
-def test_with_top_k_and_momentum_the_momentum_moves_to_the_worker_unless_told_not_to(cluster_factory):
-    """Mutant: ``server_optimizer(...) if not momentum_correction else spec``."""
+def test_with_top_k_and_momentum_the_momentum_moves_to_the_worker_unless_told_not_to(cluster_factory, caplog):
+    """Mutants: ``server_optimizer(...) if not momentum_correction else spec``; ``momentum_correction: bool =
+    False``; ``if not self.momentum.active(shard)`` (the log line saying so)."""
     c = cluster_factory(1, mode="async")
+    caplog.set_level(logging.INFO, logger=trainer_mod.__name__)
     with Trainer(mlp(0), chief=c.chief_address, lr=0.1, momentum=0.9, compression="topk") as t:
         assert t.optimizer.hparams.get("worker_momentum") == 0.9 and not t.optimizer.hparams.get("momentum")
         assert t.momentum.active(0)         # the shard this worker created left the momentum to it
+        assert [r for r in caplog.records if "momentum correction" in r.getMessage()]
+    caplog.clear()
     c = cluster_factory(1, mode="async")
     with Trainer(mlp(0), chief=c.chief_address, lr=0.1, momentum=0.9, compression="topk",
                  momentum_correction=False) as t:
         assert t.optimizer.hparams.get("momentum") == 0.9
         assert not t.momentum.active(0)
+        assert not [r for r in caplog.records if "momentum correction" in r.getMessage()]
 
 
 def test_only_the_worker_that_creates_a_shard_says_it_initialised_it(cluster_factory, caplog):
@@ -355,3 +360,42 @@ def test_a_shard_init_error_that_is_no_failover_is_raised_not_retried(cluster_fa
         with pytest.raises(grpc.RpcError) as err:
             t._initialise_or_pull()
         assert err.value.code() == grpc.StatusCode.INTERNAL and len(calls) == 1
+
+
+def test_a_named_optimizer_wins_over_the_job_files(tmp_path, monkeypatch):
+    """Mutant: ``if not name is None`` in _optimizer_spec (the job file's optimizer would replace the script's)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("optimizer: {name: adamw, lr: 0.01}\n")
+    monkeypatch.setenv("SHOAL_JOB_FILE", str(job))
+    assert Trainer._optimizer_spec("sgd", {"lr": 0.5}).name == "sgd"
+    assert Trainer._optimizer_spec(None, {}).name == "adamw"
+
+
+def test_a_pull_that_finds_its_shard_empty_after_start_up_initialises_it_again(cluster_factory, monkeypatch, caplog):
+    """Mutant: ``self._started = False`` after start-up (an emptied shard would be an error, not re-initialised)."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        calls = fail_once(monkeypatch, t._clients[0], "pull",
+                          RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
+        t.pull()
+        assert len(calls) >= 2
+        assert [r for r in caplog.records if "lost its state" in r.getMessage()]
+
+
+def starts_seen(cluster_factory, **kw):
+    c = cluster_factory(1, mode="async")
+    model = mlp(0)
+    x, y = data(SIZE)
+    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        seen = []
+        for xb, yb in t.batches((x, y), batch_size=BATCH, epochs=2, batches_per_task=1, **kw):
+            seen.append((t._batch.task.epoch, t._batch.start))
+            one_step(t, model, xb, yb, samples=len(xb))
+        return seen
+
+
+def test_batches_default_to_seed_0(cluster_factory):
+    """Mutant: ``seed: int = 1`` in batches() (another order of the data than the documented default)."""
+    default = starts_seen(cluster_factory)
+    assert default == starts_seen(cluster_factory, seed=0)
+    assert default != starts_seen(cluster_factory, seed=1)      # the seed does decide the order
