@@ -17,6 +17,7 @@ from shoal.errors import InvalidArgument, Unreachable
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker import Trainer
 
+from harness import wait_until
 from test_cluster import assert_exactly_once, data, mlp
 
 SIZE, BATCH = 64, 8
@@ -294,12 +295,16 @@ def test_with_a_sampler_each_step_names_one_batch_by_default(cluster_factory):
     with Trainer(model, chief=c.chief_address, lr=0.1) as t:
         sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, trainer=t)
         loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0)
+        shards = [s for ps in c.servers for s in ps.host.shards.values()]
         steps = 0
         for xb, yb in loader:
             one_step(t, model, xb, yb)
             steps += 1
-            for shard in (s for ps in c.servers for s in ps.host.shards.values()):
-                starts = shard.ledger.starts(0)
+            # the shard's ledger may lag the push's answer: wait for this step's batch, then no more
+            wait_until(lambda: all(len(s.ledger.starts(0)) >= steps for s in shards), timeout_s=10,
+                       what=f"step {steps}'s batch in every shard's ledger")
+            for s in shards:
+                starts = s.ledger.starts(0)
                 assert len(starts) == steps and set(starts.values()) == {1}
         assert steps == SIZE // BATCH
         assert t.counters.samples == SIZE
@@ -399,3 +404,28 @@ def test_batches_default_to_seed_0(cluster_factory):
     default = starts_seen(cluster_factory)
     assert default == starts_seen(cluster_factory, seed=0)
     assert default != starts_seen(cluster_factory, seed=1)      # the seed does decide the order
+
+
+def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_factory):
+    """Mutant: ``skip_batch(self, batches: int = 2)`` (the next batch's record would go back too)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from shoal.worker import DistributedSampler
+
+    c = cluster_factory(2, mode="async")
+    model = mlp(0)
+    x, y = data(SIZE)
+    ds = TensorDataset(torch.arange(SIZE), x, y)
+    shards = [s for ps in c.servers for s in ps.host.shards.values()]
+    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, shuffle=False, trainer=t)
+        batches = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0))
+        idx, _, _ = next(batches)
+        skipped = int(idx[0])
+        t.skip_batch()
+        idx, xb, yb = next(batches)
+        second = int(idx[0])
+        one_step(t, model, xb, yb)
+        wait_until(lambda: all(s.ledger.starts(0) for s in shards), timeout_s=10, what="the step's batch in the ledgers")
+        assert second != skipped
+        for s in shards:
+            assert dict(s.ledger.starts(0)) == {second: 1}      # the step named the batch it trained
