@@ -292,7 +292,7 @@ def test_with_a_sampler_each_step_names_one_batch_by_default(cluster_factory):
     model = mlp(0)
     x, y = data(SIZE)
     ds = TensorDataset(x, y)
-    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+    with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False) as t:     # the hooks would name the batch first
         sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, trainer=t)
         loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0)
         shards = [s for ps in c.servers for s in ps.host.shards.values()]
