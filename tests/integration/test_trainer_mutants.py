@@ -429,3 +429,57 @@ def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_facto
         assert second != skipped
         for s in shards:
             assert dict(s.ledger.starts(0)) == {second: 1}      # the step named the batch it trained
+
+
+def test_job_section_gives_the_train_section_as_written_and_the_optimizer_with_its_name(tmp_path, monkeypatch):
+    """Mutant: ``if name != "optimizer"`` in job_section."""
+    job = tmp_path / "job.yaml"
+    job.write_text("train: {batch_size: 16, epochs: 3}\noptimizer: {name: adamw, lr: 0.01}\n")
+    monkeypatch.setenv("SHOAL_JOB_FILE", str(job))
+    assert Trainer.job_section("train") == {"batch_size": 16, "epochs": 3}
+    assert Trainer.job_section("optimizer")["name"] == "adamw"
+
+
+def test_batches_without_epochs_or_a_job_file_go_through_the_data_once(cluster_factory, monkeypatch):
+    """Mutants: ``train.get("epochs", 0)`` and ``train.get("epochs", 2)`` in batches()."""
+    monkeypatch.delenv("SHOAL_JOB_FILE", raising=False)
+    c = cluster_factory(1, mode="async")
+    model = mlp(0)
+    x, y = data(SIZE)
+    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        epochs = set()
+        for xb, yb in t.batches((x, y), batch_size=BATCH):
+            epochs.add(t._batch.task.epoch)
+            one_step(t, model, xb, yb, samples=len(xb))
+        assert t.step_count == SIZE // BATCH and epochs == {0}
+
+
+def test_close_twice_leaves_the_job_once(cluster_factory):
+    """Mutant: ``self._closed = False`` in close (a second close would leave and shut down again)."""
+    c = cluster_factory(1, mode="async")
+    t = Trainer(mlp(0), chief=c.chief_address, lr=0.1)
+    t.close()
+    left = []
+    t.chief.leave = lambda *a, **kw: left.append(a)
+    t.close()
+    assert left == []
+
+
+def test_a_stop_request_still_ends_with_0_when_the_last_heartbeat_fails(cluster_factory, monkeypatch):
+    """Mutant: ``except grpcCosmicRayTestingExceptionRpcError`` in _hand_back."""
+    c = cluster_factory(1, mode="async")
+    model = mlp(0)
+    x, y = data(SIZE)
+    t = Trainer(model, chief=c.chief_address, lr=0.1)
+    try:
+        def fail(*a, **kw):
+            raise ChiefGone()
+        monkeypatch.setattr(t.chief, "heartbeat_sync", fail)
+        with pytest.raises(SystemExit) as stop:
+            for xb, yb in t.batches((x, y), batch_size=BATCH, epochs=1):
+                one_step(t, model, xb, yb, samples=len(xb))
+                assert trainer_mod.request_stop() is True
+        assert stop.value.code == 0 and t._closed
+    finally:
+        trainer_mod._STOP_REQUESTED.clear()
+        t.close()
