@@ -483,3 +483,12 @@ def test_a_stop_request_still_ends_with_0_when_the_last_heartbeat_fails(cluster_
     finally:
         trainer_mod._STOP_REQUESTED.clear()
         t.close()
+
+
+def test_a_pull_counts_only_pulled_bytes(cluster_factory):
+    """Mutant: ``_count(self, pushed: int = 1, ...)`` (each pull would count a byte as pushed)."""
+    c = cluster_factory(2, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        pushed, pulled = t.counters.bytes_pushed, t.counters.bytes_pulled
+        t.pull()
+        assert t.counters.bytes_pulled > pulled and t.counters.bytes_pushed == pushed
