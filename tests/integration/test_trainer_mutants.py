@@ -492,3 +492,10 @@ def test_a_pull_counts_only_pulled_bytes(cluster_factory):
         pushed, pulled = t.counters.bytes_pushed, t.counters.bytes_pulled
         t.pull()
         assert t.counters.bytes_pulled > pulled and t.counters.bytes_pushed == pushed
+
+
+def test_failovers_is_a_count_starting_at_zero(cluster_factory):
+    """Mutant: the ``@property`` of ``failovers`` removed (a bound method instead of the count)."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        assert t.failovers == 0
