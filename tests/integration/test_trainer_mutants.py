@@ -118,7 +118,8 @@ class FakeClock:
 
 def test_step_seconds_start_at_zero_then_follow_a_moving_average_of_the_step_periods(cluster_factory, monkeypatch,
                                                                                          caplog):
-    """Mutants: ``self._step_seconds = 1.0`` at the start; ``0.8 / self._step_seconds + 0.2 * period``;
+    """Mutants: ``self._step_seconds = 1.0`` at the start; ``0.8 / self._step_seconds + 0.2 * period``,
+    ``0.2 / period`` (hence a period other than 1 s);
     the debug line's ``(now + t0)``, ``/ 1e3`` and ``* 999.0``."""
     c = cluster_factory(1, mode="async")
     model = mlp(0)
@@ -131,16 +132,16 @@ def test_step_seconds_start_at_zero_then_follow_a_moving_average_of_the_step_per
 
         assert heartbeat_step_seconds() == 0.0                 # no step yet: the chief sees no step time
         # each step reads the clock twice: when it starts, when it ends
-        monkeypatch.setattr(trainer_mod, "time", FakeClock([10.0, 10.5, 11.0, 12.0, 12.5, 13.0]))
+        monkeypatch.setattr(trainer_mod, "time", FakeClock([10.0, 10.5, 11.0, 12.0, 12.5, 14.0]))
         caplog.set_level(logging.DEBUG, logger=trainer_mod.__name__)
         one_step(t, model, x, y, samples=16)
         assert heartbeat_step_seconds() == 0.0                 # one step: no period yet
         one_step(t, model, x, y, samples=16)
         assert heartbeat_step_seconds() == pytest.approx(1.5)  # the first period as it is (10.5 -> 12.0)
         one_step(t, model, x, y, samples=16)
-        assert heartbeat_step_seconds() == pytest.approx(0.8 * 1.5 + 0.2 * 1.0)
+        assert heartbeat_step_seconds() == pytest.approx(0.8 * 1.5 + 0.2 * 2.0)   # 12.0 -> 14.0
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-        assert lines == ["step 1 in 500.0 ms", "step 2 in 1000.0 ms", "step 3 in 500.0 ms"]
+        assert lines == ["step 1 in 500.0 ms", "step 2 in 1000.0 ms", "step 3 in 1500.0 ms"]
 
 
 def test_a_skipped_batch_goes_back_to_the_chief_and_is_trained_again(cluster_factory):
