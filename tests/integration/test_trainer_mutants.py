@@ -408,7 +408,8 @@ def test_batches_default_to_seed_0(cluster_factory):
 
 
 def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_factory):
-    """Mutant: ``skip_batch(self, batches: int = 2)`` (the next batch's record would go back too)."""
+    """Written against ``skip_batch(self, batches: int = 2)`` / ``= 0``; planting showed it does NOT kill them
+    (issue 19 report): it still checks that the step after a skip names the batch it trained."""
     from torch.utils.data import DataLoader, TensorDataset
     from shoal.worker import DistributedSampler
 
