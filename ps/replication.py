@@ -145,9 +145,16 @@ def install_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.Install
             raise ValueError(f"install chunk at {head.offset} does not continue at {covered}")
         data[covered:covered + len(payload)] = payload
         covered += len(payload)
-    if first is None or covered != first.total_bytes:
-        raise ValueError(f"install carried {covered} of {first.total_bytes if first else '?'} bytes")
+    if first is None:       # a copy always travels as one frame at least: the sender gave up before it
+        raise NoInstall("the sender closed the copy before its first part")
+    if covered != first.total_bytes:
+        raise ValueError(f"install carried {covered} of {first.total_bytes} bytes")
     return first, data
+
+
+class NoInstall(ValueError):
+    """An Install stream that ended without a frame: its sender gave up before the first one (a server
+    closing its connections as it leaves the job), not a malformed copy."""
 
 
 # ---------------------------------------------------------------- the primary's side

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from shoal.ps.host import ShardHost
-from shoal.ps.replication import install_from_frames, update_from_frames
+from shoal.ps.replication import NoInstall, install_from_frames, update_from_frames
 from shoal.ps.shard import Shard
 from shoal.ps.update import count_nonfinite
 from shoal import auth, frames, tokens
@@ -92,6 +92,8 @@ class DataServicer:
         self.guard.require(context, auth.PS)
         try:
             head, data = install_from_frames(request_iterator, self._check_install)
+        except NoInstall as exc:            # nothing arrived and nothing changes: no refusal to warn about
+            raise Unavailable(str(exc)) from None
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.host.count(inbound=len(data))

@@ -148,3 +148,16 @@ def test_malformed_frames_are_invalid_argument(ps):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     channel.close()
     assert pb.PushReply  # the reply type stays importable for clients
+
+
+def test_an_install_that_sends_nothing_is_answered_unavailable_without_a_warning(cluster_factory, caplog):
+    """A server leaving the job may close a copy's stream before its first part: nothing arrived and
+    nothing changes, so it is no refusal to warn about (a WARNING on a healthy planned leave)."""
+    import logging
+    from shoal.wire import DATA_SERVICE
+    c = cluster_factory(1, num_shards=1)
+    with grpc.insecure_channel(c.servers[0].address) as ch, caplog.at_level(logging.WARNING):
+        with pytest.raises(grpc.RpcError) as err:
+            ch.stream_unary(f"/{DATA_SERVICE}/Install")(iter([]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "before its first part" in err.value.details()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -406,3 +406,9 @@ def test_the_no_backup_timer_never_keeps_a_stopping_ps_alive():
         assert timers and all(t.daemon for t in timers)
     finally:
         r.close()
+
+
+def test_an_install_stream_without_a_frame_is_a_sender_that_gave_up_not_a_bad_copy():
+    from shoal.ps.replication import NoInstall
+    with pytest.raises(NoInstall, match="before its first part"):
+        install_from_frames(iter([]))
