@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import grpc
+
 import threading
 import time
 from typing import Callable
@@ -94,3 +96,17 @@ def run_threads(*targets: Callable[[], None], timeout_s: float = 60.0) -> None:
         raise errors[0]
     if any(t.is_alive() for t in threads):
         raise AssertionError(f"threads still running after {timeout_s:.0f}s")
+
+
+class FakeRpcError(grpc.RpcError):
+    """A gRPC failure with a code and details, as a stub raises it (for tests that fake a peer)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = ""):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details

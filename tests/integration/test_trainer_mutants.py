@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal.worker.trainer as trainer_mod
+from harness import FakeRpcError
 from shoal.errors import InvalidArgument, Unreachable
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker import Trainer
@@ -188,12 +189,8 @@ def test_request_stop_is_false_when_no_trainer_takes_batches_and_otherwise_ends_
         t.close()
 
 
-class ChiefGone(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self):
-        return "the chief is gone (test)"
+def chief_gone() -> FakeRpcError:
+    return FakeRpcError(grpc.StatusCode.UNAVAILABLE, "the chief is gone (test)")
 
 
 class FailingFeed:
@@ -203,7 +200,7 @@ class FailingFeed:
         self.closed = False
 
     def flush(self):
-        raise ChiefGone()
+        raise chief_gone()
 
     def close(self):
         self.closed = True
@@ -320,15 +317,6 @@ def test_an_unreachable_chief_is_reported_with_the_time_waited():
     assert waited <= 30                 # about the 0.2 s asked for, not a clock reading
 
 
-class RpcFailure(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
 
 
 def fail_once(monkeypatch, obj, name, exc):
@@ -350,7 +338,7 @@ def test_a_shard_status_error_that_is_no_failover_is_raised_not_retried(cluster_
     error would send the worker looking for another primary instead of failing)."""
     c = cluster_factory(1, mode="async")
     with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
-        calls = fail_once(monkeypatch, t._clients[0], "status", RpcFailure(grpc.StatusCode.INTERNAL, "boom (test)"))
+        calls = fail_once(monkeypatch, t._clients[0], "status", FakeRpcError(grpc.StatusCode.INTERNAL, "boom (test)"))
         with pytest.raises(grpc.RpcError) as err:
             t._follow_shards()
         assert err.value.code() == grpc.StatusCode.INTERNAL and len(calls) == 1
@@ -361,8 +349,8 @@ def test_a_shard_init_error_that_is_no_failover_is_raised_not_retried(cluster_fa
     c = cluster_factory(1, mode="async")
     with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
         fail_once(monkeypatch, t, "_pull_shard",
-                  RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
-        calls = fail_once(monkeypatch, t._clients[0], "init", RpcFailure(grpc.StatusCode.INTERNAL, "boom (test)"))
+                  FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
+        calls = fail_once(monkeypatch, t._clients[0], "init", FakeRpcError(grpc.StatusCode.INTERNAL, "boom (test)"))
         with pytest.raises(grpc.RpcError) as err:
             t._initialise_or_pull()
         assert err.value.code() == grpc.StatusCode.INTERNAL and len(calls) == 1
@@ -382,7 +370,7 @@ def test_a_pull_that_finds_its_shard_empty_after_start_up_initialises_it_again(c
     c = cluster_factory(1, mode="async")
     with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
         calls = fail_once(monkeypatch, t._clients[0], "pull",
-                          RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
+                          FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
         t.pull()
         assert len(calls) >= 2
         assert [r for r in caplog.records if "lost its state" in r.getMessage()]
@@ -475,7 +463,7 @@ def test_a_stop_request_still_ends_with_0_when_the_last_heartbeat_fails(cluster_
     t = Trainer(model, chief=c.chief_address, lr=0.1)
     try:
         def fail(*a, **kw):
-            raise ChiefGone()
+            raise chief_gone()
         monkeypatch.setattr(t.chief, "heartbeat_sync", fail)
         with pytest.raises(SystemExit) as stop:
             for xb, yb in t.batches((x, y), batch_size=BATCH, epochs=1):

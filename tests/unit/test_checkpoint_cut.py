@@ -23,6 +23,7 @@ from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
 from shoal.ps.host import ShardHost
 from shoal.ps.shard import Shard
+from harness import FakeRpcError
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})
 ADAM = OptimizerSpec("adam", {"lr": 0.1})
@@ -174,15 +175,6 @@ def test_keep_must_be_positive():
 
 # ---------------------------------------------------------------- the coordinator, no sockets
 
-class FakeRpcError(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
 
 
 class FakeContext:
