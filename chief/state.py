@@ -23,11 +23,13 @@ from shoal.view import Route, View
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = 2   # of ChiefState.to_dict; bump on incompatible changes
+STATE_FORMAT = 3   # of ChiefState.to_dict; bump on incompatible changes
 # 2: the journal appends changes after the snapshot (chief/journal.py). The snapshot itself is the
 # same, so format 1 still loads; a chief that reads only 1 refuses a journal of 2 instead of reading
 # its snapshot alone and losing the changes.
-READABLE_FORMATS = (1, 2)
+# 3: the task queue's done and handed-out ids are bitmaps and its untouched tasks a count
+# (chief/tasks.py, chief/idset.py). Formats 1 and 2 still load; an older chief refuses 3 by its number.
+READABLE_FORMATS = (1, 2, 3)
 
 
 class ChiefState:
@@ -400,7 +402,7 @@ class ChiefState:
         """
         if d.get("format") not in READABLE_FORMATS:
             raise InvalidArgument(f"chief state has format {d.get('format')!r}, this chief reads "
-                                  f"{' and '.join(map(str, READABLE_FORMATS))}")
+                                  f"{', '.join(map(str, READABLE_FORMATS))}")
         s = cls(JobConfig(**d["job"]), clock, secret=bytes.fromhex(d["secret"]),
                 straggler_factor=float(d["straggler_factor"]))
         s.epoch = int(d["epoch"])

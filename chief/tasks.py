@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import random
 
+from shoal.chief import idset
 from shoal.dataset import DatasetSpec, Task
 from shoal.errors import FailedPrecondition, InvalidArgument
 
@@ -26,7 +27,11 @@ log = logging.getLogger(__name__)
 class TaskQueue:
     def __init__(self) -> None:
         self.spec: DatasetSpec | None = None
-        self._todo: collections.deque[Task] = collections.deque()
+        self._todo: collections.deque[Task] = collections.deque()     # re-queued tasks: handed out first
+        # then the open epoch's untouched tasks: its task indices in hand-out order, from _pos on. They
+        # follow from the seed, so a snapshot names them by count, and a Task is made only when taken.
+        self._order: list[int] = []
+        self._pos = 0
         self._doing: dict[int, tuple[str, Task]] = {}
         self._held: dict[str, dict[int, Task]] = {}     # member -> its tasks in _doing (GetTasks asks per call)
         self._progress: dict[int, int] = {}          # task id -> first sample not yet pushed
@@ -89,7 +94,17 @@ class TaskQueue:
 
     @property
     def depth(self) -> int:
-        return len(self._todo)
+        return len(self._todo) + self._fresh
+
+    @property
+    def _fresh(self) -> int:
+        return len(self._order) - self._pos
+
+    def pending(self) -> list[Task]:
+        """The todo tasks in the order they will be handed out (a list as long as the queue: for tests
+        and debugging)."""
+        e = self._next_epoch - 1
+        return [*self._todo, *(self._task_at(e, i) for i in self._order[self._pos:])]
 
     @property
     def finished(self) -> bool:
@@ -108,17 +123,23 @@ class TaskQueue:
             n += 1
         return n
 
-    def _open_epoch(self) -> None:
-        spec = self.spec
-        assert spec is not None
-        e = self._next_epoch
-        span = spec.batch_size * spec.batches_per_task
+    def _epoch_order(self, e: int) -> list[int]:
+        """Epoch ``e``'s task indices in the order it hands them out: a seeded shuffle, the same every time."""
+        assert self.spec is not None
         order = list(range(self._tasks_per_epoch))
-        random.Random(spec.seed * 1_000_003 + e).shuffle(order)
-        for i in order:
-            start = i * span
-            self._todo.append(Task(e * self._tasks_per_epoch + i, e, start, min(spec.size, start + span)))
-        self._open_per_epoch[e] += len(order)
+        random.Random(self.spec.seed * 1_000_003 + e).shuffle(order)
+        return order
+
+    def _task_at(self, e: int, i: int) -> Task:
+        """Task ``i`` of epoch ``e``: batches ``[i * span, (i + 1) * span)`` of the dataset."""
+        assert self.spec is not None
+        span = self.spec.batch_size * self.spec.batches_per_task
+        return Task(e * self._tasks_per_epoch + i, e, i * span, min(self.spec.size, i * span + span))
+
+    def _open_epoch(self) -> None:
+        e = self._next_epoch
+        self._order, self._pos = self._epoch_order(e), 0
+        self._open_per_epoch[e] += len(self._order)
         self._next_epoch += 1
 
     def take(self, member: str, max_tasks: int) -> list[Task]:
@@ -126,11 +147,16 @@ class TaskQueue:
             raise FailedPrecondition("no dataset configured")
         out: list[Task] = []
         while len(out) < max_tasks:
-            if not self._todo:
-                if self._next_epoch >= self.spec.epochs:
-                    break
+            if self._todo:
+                t = self._todo.popleft()
+            elif self._pos < len(self._order):
+                t = self._task_at(self._next_epoch - 1, self._order[self._pos])
+                self._pos += 1
+            elif self._next_epoch < self.spec.epochs:
                 self._open_epoch()
-            t = self._todo.popleft()
+                continue
+            else:
+                break
             self._attempts[t.task_id] += 1
             t = dataclasses.replace(t, attempt=self._attempts[t.task_id])
             self._hold(member, t)
@@ -229,17 +255,24 @@ class TaskQueue:
     # ------------------------------------------------------------ persistence
 
     def to_dict(self) -> dict:
-        """Every field as JSON-able values (int keys become ``[key, value]`` pairs); see :meth:`from_dict`."""
+        """Every field as JSON-able values (int keys become ``[key, value]`` pairs); see :meth:`from_dict`.
+
+        Its size follows what is in flight, not the dataset: the open epoch's untouched tasks are a
+        count (``fresh``), and the done ids and the ids handed out once are bitmaps (chief/idset.py);
+        only re-queued tasks, held ones and ids handed out more than once are listed."""
         def task(t: Task) -> list[int]:
             return [t.task_id, t.epoch, t.start, t.stop, t.attempt]
 
+        once = [k for k, v in self._attempts.items() if v == 1]
         return {
             "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
             "todo": [task(t) for t in self._todo],
+            "fresh": self._fresh,
             "doing": [[m, task(t)] for m, t in self._doing.values()],
             "progress": [[k, v] for k, v in sorted(self._progress.items())],
-            "done": sorted(self._done),
-            "attempts": [[k, v] for k, v in sorted(self._attempts.items())],
+            "done": idset.encode(self._done),
+            "attempts": {"once": idset.encode(once),
+                         "more": sorted([k, v] for k, v in self._attempts.items() if v != 1)},
             "open_per_epoch": [[k, v] for k, v in sorted(self._open_per_epoch.items())],
             "next_epoch": self._next_epoch,
             "tasks_per_epoch": self._tasks_per_epoch,
@@ -249,17 +282,30 @@ class TaskQueue:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TaskQueue":
+        """Inverse of :meth:`to_dict`; also reads the lists an older chief wrote (no ``fresh``, plain
+        ``done`` and ``attempts`` lists). Raises ValueError (or KeyError, TypeError) on a malformed one."""
         q = cls()
         q.spec = DatasetSpec(**d["spec"]) if d["spec"] is not None else None
-        q._todo = collections.deque(Task(*t) for t in d["todo"])
-        for m, t in d["doing"]:
-            q._hold(m, Task(*t))
-        q._progress = {int(k): int(v) for k, v in d["progress"]}
-        q._done = {int(k) for k in d["done"]}
-        q._attempts = collections.Counter({int(k): int(v) for k, v in d["attempts"]})
         q._open_per_epoch = collections.Counter({int(k): int(v) for k, v in d["open_per_epoch"]})
         q._next_epoch = int(d["next_epoch"])
         q._tasks_per_epoch = int(d["tasks_per_epoch"])
         q._next_extra = int(d["next_extra"])
         q._extra = int(d["extra"])
+        q._todo = collections.deque(Task(*t) for t in d["todo"])
+        fresh = int(d.get("fresh", 0))
+        if fresh:
+            if q.spec is None or not 0 < q._next_epoch <= q.spec.epochs or not 0 < fresh <= q._tasks_per_epoch:
+                raise ValueError(f"{fresh} untouched tasks of epoch {q._next_epoch - 1}, which does not have them")
+            q._order = q._epoch_order(q._next_epoch - 1)
+            q._pos = len(q._order) - fresh
+        for m, t in d["doing"]:
+            q._hold(m, Task(*t))
+        q._progress = {int(k): int(v) for k, v in d["progress"]}
+        done, attempts = d["done"], d["attempts"]
+        q._done = {int(k) for k in done} if isinstance(done, list) else idset.decode(done)
+        if isinstance(attempts, list):
+            q._attempts = collections.Counter({int(k): int(v) for k, v in attempts})
+        else:
+            q._attempts = collections.Counter(dict.fromkeys(idset.decode(attempts["once"]), 1))
+            q._attempts.update({int(k): int(v) for k, v in attempts["more"]})
         return q

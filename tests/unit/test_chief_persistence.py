@@ -6,6 +6,7 @@ import pytest
 
 from shoal.errors import InvalidArgument
 
+from shoal.chief import idset
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.membership import Counters, MemberState, Membership, Role
 from shoal.chief.state import ChiefState
@@ -101,7 +102,7 @@ def drain(q, member):
 
 def test_restored_queue_hands_out_exactly_the_remaining_tasks():
     q, applied = make_queue()
-    done_before = set(q.to_dict()["done"])
+    done_before = idset.decode(q.to_dict()["done"])
     held_b = q.held_by("b")
     back = TaskQueue.from_dict(through_json(q.to_dict()))
     assert back.held_by("b") == held_b                            # b keeps its tasks, attempts and all
@@ -159,11 +160,11 @@ def test_a_journal_of_the_snapshot_only_format_still_loads_and_an_unknown_one_is
     from shoal.chief.state import STATE_FORMAT
     s, _ = make_state(clock)
     d = through_json(s.to_dict())
-    assert d["format"] == STATE_FORMAT == 2
+    assert d["format"] == STATE_FORMAT == 3
     back = ChiefState.from_dict({**d, "format": 1}, clock)
     assert back.view() == s.view()
-    with pytest.raises(InvalidArgument, match="chief state has format 3, this chief reads 1 and 2"):
-        ChiefState.from_dict({**d, "format": 3}, clock)
+    with pytest.raises(InvalidArgument, match="chief state has format 4, this chief reads 1, 2, 3"):
+        ChiefState.from_dict({**d, "format": 4}, clock)
 
 
 def test_recovery_bumps_the_epoch_renews_leases_and_keeps_identities(clock):

@@ -154,6 +154,6 @@ def test_a_short_batch_handed_back_joins_the_next_epochs_short_batch_or_waits_an
     if not joined:          # handed back: the chief holds it for whoever asks next
         wait_until(lambda: [(t.epoch, t.start, t.stop) for t in svc.state.tasks.held_by(a)] == [],
                    what="the worker to report everything")
-        todo = [(t.epoch, t.start, t.stop) for t in svc.state.tasks._todo]
+        todo = [(t.epoch, t.start, t.stop) for t in svc.state.tasks.pending()]
         assert todo == [(0, *short)]
     trainer._feed.close()
