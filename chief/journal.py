@@ -187,7 +187,7 @@ class Journal:
                 cur = self._db.execute("INSERT INTO events (at, event) VALUES (?, ?)", (now, event))
                 if cur.lastrowid % 100 == 0:
                     self._db.execute("DELETE FROM events WHERE seq <= ?", (cur.lastrowid - self.keep_events,))
-                self._db.execute("COMMIT")
+                self._commit()
             except sqlite3.Error as exc:
                 try:
                     self._db.execute("ROLLBACK")
@@ -201,6 +201,17 @@ class Journal:
         else:
             self._change_bytes += sum(len(body) for _, body in rows)
         self.writes += 1
+
+    def _commit(self) -> None:
+        """COMMIT. SQLite can report SQLITE_INTERRUPT for a COMMIT that did commit (it runs the progress
+        handler once more after the transaction is done): a connection out of its transaction then says
+        the write landed, and it counts as written, not failed. Any other error (a full disk, an I/O
+        error) may have rolled the transaction back by itself, so it stays a failure."""
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if self._db.in_transaction or exc.sqlite_errorcode != sqlite3.SQLITE_INTERRUPT:
+                raise
 
     def events(self, limit: int = 50) -> list[tuple[float, str]]:
         """The newest ``limit`` events, oldest first: ``(unix time, text)``."""

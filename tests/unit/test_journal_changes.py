@@ -168,3 +168,26 @@ def test_killed_at_random_points_it_reopens_with_the_state_of_its_last_write(tmp
     j.close()
     assert Journal(path).load() == written
     assert kills >= 5 and torn >= 1
+
+
+def test_a_commit_interrupted_after_it_landed_counts_as_written(tmp_path, clock):
+    """SQLite runs the progress handler once more after a COMMIT is done, and an interrupt there
+    fails the statement although the transaction committed. The journal must not call that write
+    failed: the caller would retry or give up on a state that is already on disk."""
+    s, ws = cluster(clock, 3)
+    j = Journal(tmp_path / "chief.db")
+    save(j, s, "start")
+    s.heartbeat(ws[0], Counters(steps=5))
+    seen = [False]
+
+    def interrupt_once_committed():
+        if j._db.in_transaction:
+            seen[0] = True
+            return False
+        return seen[0]
+    j._db.set_progress_handler(interrupt_once_committed, 1)
+    save(j, s, "heartbeat")                             # no JournalError: it landed
+    j._db.set_progress_handler(None, 1)
+    assert seen[0] and j.writes == 2 and not j._need_snapshot
+    j.close()
+    assert Journal(tmp_path / "chief.db").load() == plain(s.to_dict())
