@@ -20,6 +20,7 @@ The RPC logic stays in :class:`ChiefServicer` (sync, tested directly); this modu
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from typing import Callable
@@ -45,6 +46,7 @@ OFF_LOOP = frozenset({"ReportUnreachable"})      # may block (a probe of up to a
 # view change pass that at once, and the heartbeats refused with them lapse leases: a chief would
 # rather answer a queued heartbeat late, within its deadline. The per-connection stream limit stays.
 OPTIONS = [("grpc.http.overload_protection", 0)]
+WAKE_BATCH = 32            # watches woken per turn of the event loop (_Pacer)
 LAG_PROBE_S = 0.05          # the loop's lag is measured this often...
 LAG_DECAY = 0.85            # ...and a past peak fades to a fifth in about half a second
 
@@ -95,17 +97,56 @@ def _bytes_or_serialized(reply) -> bytes:
     return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 
+class _Pacer:
+    """Wakes watches ``batch`` at a time, one slice per turn of the event loop.
+
+    A view change wakes every watch of its scope: with a thousand workers, a thousand answers and then
+    a thousand re-opened watches. Woken at once, they all run before any call that arrives meanwhile,
+    and heartbeats wait for the whole fan-out (a few hundred ms on 2 cores, bench/RESULTS.md). A slice
+    at a time, the calls that arrive between slices are taken up between them: the fan-out takes about
+    as long, and a heartbeat waits for one slice at most. Thread-safe: the servicer wakes watches
+    from the loop and from the ticker thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch: int = WAKE_BATCH):
+        self._loop = loop
+        self._batch = batch
+        self._due: collections.deque[asyncio.Event] = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def wake(self, event: asyncio.Event) -> None:
+        self._due.append(event)
+        with self._lock:
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        for _ in range(self._batch):
+            try:
+                event = self._due.popleft()
+            except IndexError:
+                break
+            event.set()
+        with self._lock:
+            if not self._due:
+                self._scheduled = False
+                return
+        self._loop.call_soon(self._run)       # after what became ready meanwhile: calls that arrived
+
+
 class _Waker:
     """A watch's wake-up: ``set`` from any thread (the servicer calls it under its lock)."""
 
-    __slots__ = ("_loop", "event")
+    __slots__ = ("_pacer", "event")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+    def __init__(self, pacer: _Pacer):
+        self._pacer = pacer
         self.event = asyncio.Event()
 
     def set(self) -> None:
-        self._loop.call_soon_threadsafe(self.event.set)
+        self._pacer.wake(self.event)
 
 
 class AsyncChief:
@@ -115,6 +156,7 @@ class AsyncChief:
         self.servicer = servicer
         self.loop = loop
         self.token = auth.job_token()
+        self.pacer = _Pacer(loop)
 
     def handler(self) -> grpc.GenericRpcHandler:
         methods = {}
@@ -168,7 +210,7 @@ class AsyncChief:
     async def _get_view(self, request, context):
         """``ChiefServicer.GetView``'s long poll as a coroutine (the same steps, chief/servicer.py)."""
         s = self.servicer
-        waker = _Waker(self.loop)
+        waker = _Waker(self.pacer)
         try:
             scope, deadline = s.watch_begin(request, waker)
         except ShoalError as exc:
