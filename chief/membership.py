@@ -42,7 +42,6 @@ have heard them before), after which a server still silent expires as usual.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable, Iterable
 
@@ -324,7 +323,7 @@ class Membership:
             **self.meta(),
             "members": [{"member_id": m.member_id, "role": m.role.value, "address": m.address, "host": m.host,
                          "joined_ago": now - m.joined_at, "lease_left": m.lease_until - now,
-                         "state": m.state.value, "counters": dataclasses.asdict(m.counters)}
+                         "state": m.state.value, "counters": m.counters.to_dict()}
                         for m in self._members.values()],
         }
 
@@ -333,7 +332,7 @@ class Membership:
         journal turns them into times relative to its last write when it loads them); clears the list."""
         rows = [{"member_id": m.member_id, "role": m.role.value, "address": m.address, "host": m.host,
                  "joined_at": m.joined_at, "lease_until": m.lease_until, "state": m.state.value,
-                 "counters": dataclasses.asdict(m.counters)}
+                 "counters": m.counters.to_dict()}
                 for m in (self._members[k] for k in self._dirty)]
         self._dirty = {}
         return rows

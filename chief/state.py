@@ -27,8 +27,8 @@ STATE_FORMAT = 3   # of ChiefState.to_dict; bump on incompatible changes
 # 2: the journal appends changes after the snapshot (chief/journal.py). The snapshot itself is the
 # same, so format 1 still loads; a chief that reads only 1 refuses a journal of 2 instead of reading
 # its snapshot alone and losing the changes.
-# 3: the task queue's done and handed-out ids are bitmaps and its untouched tasks a count
-# (chief/tasks.py, chief/idset.py). Formats 1 and 2 still load; an older chief refuses 3 by its number.
+# 3: the task queue's done ids are a bitmap and its untouched tasks a count (chief/tasks.py,
+# chief/idset.py). Formats 1 and 2 still load; an older chief refuses 3 by its number.
 READABLE_FORMATS = (1, 2, 3)
 
 

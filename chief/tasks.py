@@ -204,6 +204,7 @@ class TaskQueue:
         self._unhold(task_id)
         self._progress.pop(task_id, None)
         self._done.add(task_id)
+        del self._attempts[task_id]             # a done task is never handed out again
         self._open_per_epoch[t.epoch] -= 1
         self._record("complete", member, task_id)
 
@@ -239,6 +240,7 @@ class TaskQueue:
             resume = self._progress.pop(t.task_id, t.start)
             if resume >= t.stop:                      # everything was pushed: it only missed the report
                 self._done.add(t.task_id)
+                del self._attempts[t.task_id]
                 self._open_per_epoch[t.epoch] -= 1
                 continue
             back.append(dataclasses.replace(t, start=resume))
@@ -258,12 +260,11 @@ class TaskQueue:
         """Every field as JSON-able values (int keys become ``[key, value]`` pairs); see :meth:`from_dict`.
 
         Its size follows what is in flight, not the dataset: the open epoch's untouched tasks are a
-        count (``fresh``), and the done ids and the ids handed out once are bitmaps (chief/idset.py);
-        only re-queued tasks, held ones and ids handed out more than once are listed."""
+        count (``fresh``), the done ids a bitmap (chief/idset.py), and hand-out counts are kept only
+        for tasks not done; only re-queued tasks, held ones and their counts are listed."""
         def task(t: Task) -> list[int]:
             return [t.task_id, t.epoch, t.start, t.stop, t.attempt]
 
-        once = [k for k, v in self._attempts.items() if v == 1]
         return {
             "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
             "todo": [task(t) for t in self._todo],
@@ -271,8 +272,7 @@ class TaskQueue:
             "doing": [[m, task(t)] for m, t in self._doing.values()],
             "progress": [[k, v] for k, v in sorted(self._progress.items())],
             "done": idset.encode(self._done),
-            "attempts": {"once": idset.encode(once),
-                         "more": sorted([k, v] for k, v in self._attempts.items() if v != 1)},
+            "attempts": [[k, v] for k, v in sorted(self._attempts.items())],
             "open_per_epoch": [[k, v] for k, v in sorted(self._open_per_epoch.items())],
             "next_epoch": self._next_epoch,
             "tasks_per_epoch": self._tasks_per_epoch,
@@ -301,11 +301,8 @@ class TaskQueue:
         for m, t in d["doing"]:
             q._hold(m, Task(*t))
         q._progress = {int(k): int(v) for k, v in d["progress"]}
-        done, attempts = d["done"], d["attempts"]
+        done = d["done"]
         q._done = {int(k) for k in done} if isinstance(done, list) else idset.decode(done)
-        if isinstance(attempts, list):
-            q._attempts = collections.Counter({int(k): int(v) for k, v in attempts})
-        else:
-            q._attempts = collections.Counter(dict.fromkeys(idset.decode(attempts["once"]), 1))
-            q._attempts.update({int(k): int(v) for k, v in attempts["more"]})
+        # an older chief kept the count of every task it handed out, done ones included
+        q._attempts = collections.Counter({int(k): int(v) for k, v in d["attempts"] if int(k) not in q._done})
         return q

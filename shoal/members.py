@@ -41,6 +41,12 @@ class Counters:
     bytes_pushed: int = 0
     bytes_pulled: int = 0
 
+    def to_dict(self) -> dict[str, int]:
+        """The fields by name: ``dataclasses.asdict`` without its deep copy, which cost the chief's
+        snapshot of 10 000 members half of its time (bench/chief_snapshot.py)."""
+        return {"steps": self.steps, "samples": self.samples, "bytes_pushed": self.bytes_pushed,
+                "bytes_pulled": self.bytes_pulled}
+
 
 @dataclass
 class Member:

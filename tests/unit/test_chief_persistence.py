@@ -237,3 +237,12 @@ def test_shoal_chief_refuses_a_corrupt_journal_with_one_line(tmp_path, capsys):
     assert main(["chief", "--bind", "127.0.0.1:0", "--journal", str(path)]) == EXIT_REFUSED   # never restarted
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"shoal chief: error: chief journal {path} is unreadable or corrupt")
+
+
+def test_counters_to_dict_names_every_field():
+    """Counters.to_dict is written out by hand for speed: a field added later must not be dropped
+    from the journal."""
+    import dataclasses
+    c = Counters(steps=1, samples=2, bytes_pushed=3, bytes_pulled=4)
+    assert c.to_dict() == dataclasses.asdict(c)
+    assert sorted(c.to_dict()) == sorted(f.name for f in dataclasses.fields(Counters))

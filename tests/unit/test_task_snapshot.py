@@ -1,5 +1,6 @@
-"""The task queue's snapshot costs what is in flight, not the dataset (issue 17): done and handed-out
-ids are bitmaps (chief/idset.py), the open epoch's untouched tasks a count. It round-trips exactly,
+"""The task queue's snapshot costs what is in flight, not the dataset (issue 17): done ids are a
+bitmap (chief/idset.py), the open epoch's untouched tasks a count, hand-out counts kept only for
+tasks not done. It round-trips exactly,
 older snapshots (plain lists) still load, and a malformed one is an error, never a wrong queue."""
 import json
 import random
@@ -22,8 +23,8 @@ def old_format(q: TaskQueue) -> dict:
     d.pop("fresh")
     d["todo"] = [[t.task_id, t.epoch, t.start, t.stop, t.attempt] for t in q.pending()]
     d["done"] = sorted(q._done)
-    d["attempts"] = [[k, v] for k, v in sorted(q._attempts.items())]
-    return through_json(d)
+    d["attempts"] = [[k, v] for k, v in sorted(q._attempts.items())] + [[k, 1] for k in sorted(q._done)]
+    return through_json(d)                            # (it kept the count of done tasks too)
 
 
 def run_ops(q: TaskQueue, rng: random.Random, steps: int) -> None:
@@ -106,10 +107,25 @@ def snapshot_bytes(size: int) -> int:
     return len(json.dumps(q.to_dict()))
 
 
+def test_a_done_task_keeps_no_hand_out_count():
+    """A done task is never handed out again, so its count is dropped (a snapshot lists only the
+    counts of tasks not done); an older snapshot's counts of done tasks are dropped on load."""
+    q = TaskQueue()
+    q.configure(DatasetSpec(size=40, batch_size=4, batches_per_task=1))
+    a, b = q.take("a", 2)
+    q.complete("a", a.task_id)
+    q.progress("a", b.task_id, b.stop)
+    q.release("a")                                    # all pushed: done without its report
+    (c,) = q.take("b", 1)
+    assert q._attempts == {c.task_id: 1} and q._done == {a.task_id, b.task_id}
+    assert q.to_dict()["attempts"] == [[c.task_id, 1]]
+    assert TaskQueue.from_dict(old_format(q))._attempts == {c.task_id: 1}
+
+
 def test_a_snapshot_grows_with_what_is_in_flight_not_with_the_dataset():
     small, large = snapshot_bytes(2_000), snapshot_bytes(200_000)
-    # 100x the tasks: the lists (in flight) are the same, the bitmaps hold a bit per id at most
-    assert large < 8_000 + 200_000 * 2 * 2 // 8 * 4 // 3 and large < 20 * small, (small, large)
+    # 100x the tasks: the lists (what is in flight) are as long, the done bitmap has a bit per id
+    assert large < 8_000 + 200_000 * 2 // 8 * 4 // 3 and large < 20 * small, (small, large)
     q = TaskQueue()
     q.configure(DatasetSpec(size=200_000, batch_size=1, batches_per_task=1, seed=1))
     q.take("w", 1)
@@ -142,7 +158,7 @@ def test_a_journal_whose_snapshot_has_a_corrupt_bitmap_is_unreadable_naming_the_
     s.take_tasks(s.join_worker(LAYOUT).member_id, SPEC, 2)
     j = Journal(tmp_path / "chief.db")
     d = s.journal_snapshot()
-    d["tasks"]["attempts"]["once"] = "@@not a bitmap@@"
+    d["tasks"]["done"] = "@@not a bitmap@@"
     j.write(d, "corrupted")
     j.close()
     with pytest.raises(JournalUnreadable, match="chief.db holds a state this chief cannot read"):
