@@ -20,6 +20,7 @@ run, and adds a line per size with the ratios (other tree over this one).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -42,6 +43,8 @@ def run_case(n: int, tasks_per_worker: int, done_frac: float, repeat: int) -> di
     import shoal.chief.state as state_mod
 
     logging.disable(logging.CRITICAL)
+    gc.collect()
+    gc.freeze()             # as `shoal chief` does once started (shoal/cli/main.py); the state comes after
     now = [1000.0]
     state = ChiefState(JobConfig(num_shards=4, lease_seconds=3.0), lambda: now[0])
     for i in range(4):
