@@ -3,7 +3,8 @@
 Each fake worker does what a training worker does towards the chief and nothing else (no torch,
 no parameter servers): one gRPC channel of its own (so one connection, as a real member has),
 ``Join`` as a worker, a heartbeat every lease/4 with counters, task progress and a step time (as
-``ChiefClient._heartbeat_loop`` sends), ``GetTasks`` every ``task_period`` seconds reporting the
+``ChiefClient._heartbeat_loop`` sends; on a ``KeepAlive`` stream, or as single calls when the sixth
+argument says ``unary``), ``GetTasks`` every ``task_period`` seconds reporting the
 finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch
 that long-polls ``GetView(after_epoch, timeout WATCH_S, member_id, scope)`` and re-opens at once (as
 ``ChiefClient._watch_loop``; the scope is ROUTING, as a worker's, unless the fifth argument says
@@ -51,8 +52,11 @@ class Recorder:
 
 
 class FakeWorker:
-    def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float, scope: int):
+    def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float, scope: int,
+                 stream: bool = True):
         self.scope = scope
+        self.stream = stream            # heartbeats on a KeepAlive stream (as ChiefClient), else single calls
+        self._beats = None
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.ChiefStub(self.channel)
         self.rec = rec
@@ -81,7 +85,7 @@ class FakeWorker:
                                       step_seconds=0.1 + random.random() * 0.01)
             t0 = time.perf_counter()
             try:
-                reply = await self.stub.Heartbeat(req, timeout=max(1.0, self.lease_s / 2))
+                reply = await self.beat(req, max(1.0, self.lease_s / 2))
                 if self.rec.measuring:
                     self.rec.heartbeat_ms.append(1e3 * (time.perf_counter() - t0))
                 if not reply.known:         # the lease lapsed: join again, as ChiefClient does
@@ -92,6 +96,28 @@ class FakeWorker:
             except grpc.RpcError as exc:
                 self.rec.error("heartbeat", exc)
             await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
+
+    async def beat(self, req: pb.HeartbeatRequest, timeout_s: float) -> pb.HeartbeatReply:
+        """One heartbeat: on the member's KeepAlive stream (opened afresh after a failure, as
+        shoal.keepalive does), or a single call."""
+        if not self.stream:
+            return await self.stub.Heartbeat(req, timeout=timeout_s)
+        if self._beats is None:
+            self._beats = self.stub.KeepAlive()
+        try:
+            await self._beats.write(req)
+            reply = await asyncio.wait_for(self._beats.read(), timeout_s)
+        except (grpc.RpcError, TimeoutError, asyncio.InvalidStateError) as exc:
+            self._beats.cancel()
+            self._beats = None
+            if isinstance(exc, grpc.RpcError):
+                raise
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, None, None, "no answer on the stream") \
+                from exc
+        if reply is grpc.aio.EOF:
+            self._beats = None
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the chief ended the stream")
+        return reply
 
     async def tasks(self) -> None:
         await asyncio.sleep(random.uniform(0, self.task_period_s))
@@ -128,10 +154,10 @@ class FakeWorker:
                     self.rec.views += 1
 
 
-async def run(address: str, n: int, task_period_s: float, dataset_size: int, scope: int) -> None:
+async def run(address: str, n: int, task_period_s: float, dataset_size: int, scope: int, stream: bool) -> None:
     rec = Recorder()
     dataset = pb.DatasetSpec(size=dataset_size, batch_size=1, epochs=1000, batches_per_task=1)
-    workers = [FakeWorker(address, rec, dataset, task_period_s, scope) for _ in range(n)]
+    workers = [FakeWorker(address, rec, dataset, task_period_s, scope, stream) for _ in range(n)]
     gate = asyncio.Semaphore(JOIN_CONCURRENCY)
 
     async def join(w: FakeWorker) -> None:
@@ -164,7 +190,8 @@ async def run(address: str, n: int, task_period_s: float, dataset_size: int, sco
 def main() -> None:
     address, n, task_period_s, dataset_size = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     scope = pb.ViewScope.Value(sys.argv[5].upper()) if len(sys.argv) > 5 else pb.ROUTING
-    asyncio.run(run(address, n, task_period_s, dataset_size, scope))
+    stream = (sys.argv[6] if len(sys.argv) > 6 else "stream") == "stream"
+    asyncio.run(run(address, n, task_period_s, dataset_size, scope, stream))
 
 
 if __name__ == "__main__":

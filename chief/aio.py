@@ -165,7 +165,45 @@ class AsyncChief:
             methods[name] = grpc.unary_unary_rpc_method_handler(
                 self._guarded(name, behaviour), request_deserializer=_safe(request.FromString),
                 response_serializer=_bytes_or_serialized)
+        methods["KeepAlive"] = grpc.stream_stream_rpc_method_handler(
+            self._keepalive, request_deserializer=_safe(pb.HeartbeatRequest.FromString),
+            response_serializer=_bytes_or_serialized)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    def _refused_token(self, method: str, context) -> None:
+        if self.token is not None:
+            why = auth.token_refused(self.token, context.invocation_metadata())
+            if why:
+                auth.REFUSALS.warning("unauthenticated", "refused %s from %s: %s job token", method,
+                                      context.peer(), why)
+                raise _Aborted(grpc.StatusCode.UNAUTHENTICATED, auth.TOKEN_REFUSAL)
+
+    async def _keepalive(self, requests, context):
+        """Heartbeats on one stream, each answered as ``Heartbeat`` answers it, in order, and counted in
+        the metrics as a ``Heartbeat`` call. The job token is checked once, when the stream opens; an
+        undecodable request or a refused heartbeat ends the stream with its error, as the call would."""
+        heartbeat, shim = self.servicer.Heartbeat, _SyncContext(context)
+        try:
+            self._refused_token(f"/{SERVICE}/KeepAlive", context)
+            async for request in requests:
+                started, code = time.perf_counter(), "OK"
+                try:
+                    if isinstance(request, _Undecodable):
+                        auth.REFUSALS.warning("invalid", "refused /%s/KeepAlive from %s: %s", SERVICE,
+                                              context.peer(), request.text)
+                        raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.text)
+                    reply = heartbeat(request, shim)
+                except _Aborted as a:
+                    code = a.code.name
+                    raise
+                except Exception:
+                    code = "UNKNOWN"
+                    raise
+                finally:
+                    observe_rpc("Heartbeat", code, started)
+                yield reply
+        except _Aborted as a:
+            await context.abort(a.code, a.details)
 
     def _guarded(self, name: str, behaviour):
         method = f"/{SERVICE}/{name}"
@@ -173,12 +211,7 @@ class AsyncChief:
         async def call(request, context):
             started, code = time.perf_counter(), "OK"
             try:
-                if self.token is not None:
-                    why = auth.token_refused(self.token, context.invocation_metadata())
-                    if why:
-                        auth.REFUSALS.warning("unauthenticated", "refused %s from %s: %s job token", method,
-                                              context.peer(), why)
-                        raise _Aborted(grpc.StatusCode.UNAUTHENTICATED, auth.TOKEN_REFUSAL)
+                self._refused_token(method, context)
                 if isinstance(request, _Undecodable):
                     auth.REFUSALS.warning("invalid", "refused %s from %s: %s", method, context.peer(), request.text)
                     raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.text)

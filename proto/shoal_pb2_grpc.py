@@ -44,6 +44,11 @@ class ChiefStub:
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.stream_stream(
+                '/shoal.Chief/KeepAlive',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/shoal.Chief/Leave',
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.LeaveRequest.SerializeToString,
@@ -87,6 +92,14 @@ class ChiefServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request_iterator, context):
+        """The same heartbeats on one stream a member keeps open, a reply per request in order: half the
+        chief's CPU of a call each (bench/RESULTS.md). A member falls back to Heartbeat on UNIMPLEMENTED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -137,6 +150,11 @@ def add_ChiefServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatRequest.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'KeepAlive': grpc.stream_stream_rpc_method_handler(
+                    servicer.KeepAlive,
                     request_deserializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatRequest.FromString,
                     response_serializer=shoal_dot_proto_dot_shoal__pb2.HeartbeatReply.SerializeToString,
             ),
@@ -223,6 +241,33 @@ class Chief:
             request,
             target,
             '/shoal.Chief/Heartbeat',
+            shoal_dot_proto_dot_shoal__pb2.HeartbeatRequest.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shoal.Chief/KeepAlive',
             shoal_dot_proto_dot_shoal__pb2.HeartbeatRequest.SerializeToString,
             shoal_dot_proto_dot_shoal__pb2.HeartbeatReply.FromString,
             options,

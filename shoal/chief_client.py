@@ -15,6 +15,7 @@ import grpc
 
 from shoal import convert
 from shoal.errors import Unreachable
+from shoal.keepalive import HeartbeatStream
 from shoal.members import Counters
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -32,7 +33,8 @@ class ChiefClient:
                  layout: pb.ModelLayout | None = None, counters: Callable[[], Counters] | None = None,
                  heartbeat_extra: Callable[[pb.HeartbeatRequest], None] | None = None,
                  join_deadline_s: float | None = 120.0, lost_after_s: float | None = None,
-                 on_lost: Callable[[str], None] | None = None, view_scope: int = pb.FULL):
+                 on_lost: Callable[[str], None] | None = None, view_scope: int = pb.FULL,
+                 keepalive: bool = True):
         self.chief_address = address
         self.view_scope = view_scope     # what this member watches: pb.ROUTING for a worker (chief/views.py)
         self.role = role
@@ -49,6 +51,7 @@ class ChiefClient:
         self._left = False
         self.channel = open_channel(address, lambda: self.credential)
         self.stub = pb_grpc.ChiefStub(self.channel)
+        self._beats = HeartbeatStream(lambda: self.stub, use_stream=keepalive)
         self.member_id = ""
         self.shard = -1
         self.lease_seconds = 3.0
@@ -112,6 +115,7 @@ class ChiefClient:
         """Stops the background threads; closing the channel first cancels a watch that is waiting."""
         self._stop.set()
         self._beat_now.set()
+        self._beats.close()
         self.channel.close()
         for t in self._threads:
             t.join(timeout=2)
@@ -164,7 +168,7 @@ class ChiefClient:
             if self._stop.is_set():
                 return
             try:
-                reply = self.stub.Heartbeat(self._heartbeat_request(), timeout=max(1.0, self.lease_seconds / 2))
+                reply = self._beats.beat(self._heartbeat_request(), timeout_s=max(1.0, self.lease_seconds / 2))
                 if failures:
                     log.info("chief reachable again after %d failed heartbeat(s)", failures)
                 failures = 0
@@ -179,6 +183,8 @@ class ChiefClient:
                     return
                 log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
             except grpc.RpcError as exc:
+                if self._stop.is_set():     # close() ended the stream under the heartbeat
+                    return
                 failures += 1
                 now = time.monotonic()
                 failing_since = now if failures == 1 else failing_since

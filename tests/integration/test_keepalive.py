@@ -1,0 +1,170 @@
+"""Heartbeats on one KeepAlive stream (shoal/keepalive.py, chief/aio.py): the chief answers each in
+order as Heartbeat would; a member whose beat goes unanswered fails it in time and opens a new
+stream; one whose chief ended the stream, or has none, goes on; a stranger gets the same refusals
+as on the single call."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from shoal import auth
+from shoal.chief.server import ChiefServer
+from shoal.chief_client import ChiefClient
+from shoal.config import JobConfig
+from shoal.keepalive import HeartbeatStream
+from shoal.proto import shoal_pb2 as pb
+from shoal.proto import shoal_pb2_grpc as pb_grpc
+from tests.harness import wait_until
+
+LAYOUT = pb.ModelLayout(tensors=[pb.TensorSpec(name="w", shape=[4], dtype="float32")])
+TOKEN = b"0123456789abcdef-keepalive-token"
+
+
+@pytest.fixture
+def chief():
+    server = ChiefServer(JobConfig(num_shards=1, lease_seconds=30.0), bind="127.0.0.1:0", tick_s=0.05).start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield server, pb_grpc.ChiefStub(channel), channel
+    finally:
+        channel.close()
+        server.stop(grace_s=0.2)
+
+
+def heartbeats_counted() -> float:
+    return REGISTRY.get_sample_value("shoal_rpc_duration_seconds_count", {"method": "Heartbeat", "code": "OK"}) or 0.0
+
+
+def test_heartbeats_on_one_stream_are_answered_in_order_and_renew_the_lease(chief):
+    server, stub, _ = chief
+    a = stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5).member_id
+    beats = HeartbeatStream(lambda: stub)
+    before = heartbeats_counted()
+    try:
+        for i in range(1, 6):
+            reply = beats.beat(pb.HeartbeatRequest(member_id=a, counters=pb.Counters(steps=i)), timeout_s=5)
+            assert reply.known and reply.epoch == server.state.epoch
+            assert server.state.members.find(a).counters.steps == i       # this beat, not an older one
+        assert not beats.unary and beats.opened == 1
+        assert not beats.beat(pb.HeartbeatRequest(member_id="worker-99"), timeout_s=5).known   # join again
+        wait_until(lambda: heartbeats_counted() == before + 6, timeout_s=5, what="beats counted as Heartbeat")
+    finally:
+        beats.close()
+
+
+def test_a_member_keeps_its_lease_on_the_stream_and_close_ends_it_quietly(caplog):
+    server = ChiefServer(JobConfig(num_shards=1, lease_seconds=0.6), bind="127.0.0.1:0", tick_s=0.05).start()
+    client = ChiefClient(server.address, pb.WORKER, layout=LAYOUT)
+    try:
+        client.join()
+        client.start_background()
+        time.sleep(2.0)                                          # more than three leases
+        assert client.member_id in {m.member_id for m in server.state.members.alive()}     # alive or idle
+        assert client._beats.opened == 1 and not client._beats.unary
+        with caplog.at_level(logging.WARNING, logger="shoal"):
+            client.close()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "heartbeat-stream" and t.is_alive()],
+                   timeout_s=5, what="the stream's reader to end")
+    finally:
+        client.close()
+        server.stop(grace_s=0.1)
+
+
+class FakeChief:
+    """A chief with a hand-made KeepAlive: ``mode`` 'silent' never answers the first stream,
+    'end' ends the first stream after one answer, 'none' has no KeepAlive at all."""
+
+    def __init__(self, mode: str):
+        self.mode, self.streams, self.unary = mode, 0, 0
+        self.release = threading.Event()
+        methods = {"Heartbeat": grpc.unary_unary_rpc_method_handler(
+            self.heartbeat, pb.HeartbeatRequest.FromString, pb.HeartbeatReply.SerializeToString)}
+        if mode != "none":
+            methods["KeepAlive"] = grpc.stream_stream_rpc_method_handler(
+                self.keepalive, pb.HeartbeatRequest.FromString, pb.HeartbeatReply.SerializeToString)
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shoal.Chief", methods),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def heartbeat(self, request, context):
+        self.unary += 1
+        return pb.HeartbeatReply(epoch=7, known=True)
+
+    def keepalive(self, requests, context):
+        self.streams += 1
+        first = self.streams == 1
+        for n, _ in enumerate(requests):
+            if first and self.mode == "silent":
+                self.release.wait(10)
+                return
+            yield pb.HeartbeatReply(epoch=self.streams, known=True)
+            if first and self.mode == "end":
+                return
+
+
+@pytest.mark.parametrize("mode", ["silent", "end"])
+def test_a_stream_that_stops_answering_or_ends_fails_that_beat_and_the_next_opens_another(mode):
+    fake = FakeChief(mode)
+    channel = grpc.insecure_channel(f"127.0.0.1:{fake.port}")
+    beats = HeartbeatStream(lambda: pb_grpc.ChiefStub(channel))
+    try:
+        if mode == "end":
+            assert beats.beat(pb.HeartbeatRequest(member_id="w"), timeout_s=5).epoch == 1
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            beats.beat(pb.HeartbeatRequest(member_id="w"), timeout_s=0.5)
+        assert err.value.code() is (grpc.StatusCode.DEADLINE_EXCEEDED if mode == "silent"
+                                    else grpc.StatusCode.UNAVAILABLE)
+        assert time.monotonic() - t0 < 3
+        assert beats.beat(pb.HeartbeatRequest(member_id="w"), timeout_s=5).epoch == 2    # a second stream
+        assert beats.opened == 2 and fake.unary == 0
+    finally:
+        fake.release.set()
+        beats.close()
+        channel.close()
+        fake.server.stop(0)
+
+
+def test_a_chief_without_keepalive_gets_single_heartbeat_calls():
+    fake = FakeChief("none")
+    channel = grpc.insecure_channel(f"127.0.0.1:{fake.port}")
+    beats = HeartbeatStream(lambda: pb_grpc.ChiefStub(channel))
+    try:
+        for _ in range(3):
+            assert beats.beat(pb.HeartbeatRequest(member_id="w"), timeout_s=5).epoch == 7
+        assert beats.unary and fake.unary == 3 and beats.opened == 1
+    finally:
+        beats.close()
+        channel.close()
+        fake.server.stop(0)
+
+
+def test_strangers_get_the_refusals_of_the_single_call(chief):
+    server, stub, channel = chief
+    raw = channel.stream_stream("/shoal.Chief/KeepAlive")
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(iter([b"\xff\xff\xff\xff"]), timeout=5))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    auth.use_token(TOKEN)
+    try:
+        guarded = ChiefServer(JobConfig(num_shards=1), bind="127.0.0.1:0").start()
+    finally:
+        auth.reset()
+    try:
+        with grpc.insecure_channel(guarded.address) as bare:
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.ChiefStub(bare).KeepAlive(iter([pb.HeartbeatRequest(member_id="w")]), timeout=5))
+            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        guarded.stop(grace_s=0.1)
+    # and the open chief still answers a member on a stream
+    a = stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5).member_id
+    assert [r.known for r in stub.KeepAlive(iter([pb.HeartbeatRequest(member_id=a)] * 2), timeout=5)] == [True, True]
