@@ -5,8 +5,9 @@ no parameter servers): one gRPC channel of its own (so one connection, as a real
 ``Join`` as a worker, a heartbeat every lease/4 with counters, task progress and a step time (as
 ``ChiefClient._heartbeat_loop`` sends; on a ``KeepAlive`` stream, or as single calls when the sixth
 argument says ``unary``), ``GetTasks`` every ``task_period`` seconds reporting the
-finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch
-that long-polls ``GetView(after_epoch, timeout WATCH_S, member_id, scope)`` and re-opens at once (as
+finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch:
+a ``Watch`` stream, or (``unary``) one that long-polls
+``GetView(after_epoch, timeout WATCH_S, member_id, scope)`` and re-opens at once (as
 ``ChiefClient._watch_loop``; the scope is ROUTING, as a worker's, unless the fifth argument says
 ``full``). Every received view is parsed (as a real member parses its own).
 
@@ -55,7 +56,7 @@ class FakeWorker:
     def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float, scope: int,
                  stream: bool = True):
         self.scope = scope
-        self.stream = stream            # heartbeats on a KeepAlive stream (as ChiefClient), else single calls
+        self.stream = stream            # heartbeats and the view on streams (as ChiefClient), else calls and polls
         self._beats = None
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.ChiefStub(self.channel)
@@ -136,6 +137,8 @@ class FakeWorker:
             await asyncio.sleep(max(0.0, self.task_period_s - (time.perf_counter() - t0)))
 
     async def watch(self) -> None:
+        if self.stream:
+            await self.watch_stream()
         while True:
             try:
                 view = await self.stub.GetView(pb.ViewRequest(after_epoch=self.epoch, timeout_seconds=WATCH_S,
@@ -145,13 +148,27 @@ class FakeWorker:
                 self.rec.error("view", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if view.unchanged:
-                continue
-            if view.epoch > self.epoch:
-                self.epoch = view.epoch
-                if self.rec.measuring:
-                    self.seen.append((view.epoch, time.monotonic()))
-                    self.rec.views += 1
+            if not view.unchanged:
+                self.saw(view)
+
+
+    async def watch_stream(self) -> None:
+        """The view on one Watch stream, as ChiefClient follows it; a new stream after one ends."""
+        while True:
+            try:
+                async for view in self.stub.Watch(pb.ViewRequest(after_epoch=self.epoch, member_id=self.member_id,
+                                                                 scope=self.scope)):
+                    self.saw(view)
+            except grpc.RpcError as exc:
+                self.rec.error("view", exc)
+            await asyncio.sleep(0.1)
+
+    def saw(self, view: pb.ClusterView) -> None:
+        if view.epoch > self.epoch:
+            self.epoch = view.epoch
+            if self.rec.measuring:
+                self.seen.append((view.epoch, time.monotonic()))
+                self.rec.views += 1
 
 
 async def run(address: str, n: int, task_period_s: float, dataset_size: int, scope: int, stream: bool) -> None:

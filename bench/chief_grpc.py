@@ -349,8 +349,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after the last join before measuring")
     ap.add_argument("--task-period", type=float, default=5.0, help="seconds between a fake worker's GetTasks")
     ap.add_argument("--heartbeats", choices=("stream", "unary"), default="stream",
-                    help="fake workers heartbeat on a KeepAlive stream (as members do), or with single calls "
-                         "(as before it, and against a chief tree without KeepAlive)")
+                    help="fake workers heartbeat and watch the view on streams (KeepAlive, Watch), as members "
+                         "do; or with single calls and long polls, as before them (and for a chief tree "
+                         "without them)")
     ap.add_argument("--scope", choices=("routing", "full"), default="routing",
                     help="what the fake workers watch: routing (as a worker since issue 17's routing views) or "
                          "full (every member, as before)")

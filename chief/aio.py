@@ -165,6 +165,9 @@ class AsyncChief:
             methods[name] = grpc.unary_unary_rpc_method_handler(
                 self._guarded(name, behaviour), request_deserializer=_safe(request.FromString),
                 response_serializer=_bytes_or_serialized)
+        methods["Watch"] = grpc.unary_stream_rpc_method_handler(
+            self._watch, request_deserializer=_safe(pb.ViewRequest.FromString),
+            response_serializer=_bytes_or_serialized)
         methods["KeepAlive"] = grpc.stream_stream_rpc_method_handler(
             self._keepalive, request_deserializer=_safe(pb.HeartbeatRequest.FromString),
             response_serializer=_bytes_or_serialized)
@@ -177,6 +180,45 @@ class AsyncChief:
                 auth.REFUSALS.warning("unauthenticated", "refused %s from %s: %s job token", method,
                                       context.peer(), why)
                 raise _Aborted(grpc.StatusCode.UNAUTHENTICATED, auth.TOKEN_REFUSAL)
+
+    async def _watch(self, request, context):
+        """``Watch``: ``GetView``'s steps in a loop on one stream. Each answer is the view as a long poll
+        would get it; the next waits for an epoch past the one read before that answer was built (a
+        change in between is sent twice at worst, never missed). The stream ending, however it ends,
+        counts as a watch that broke off before its answer (the member's process may be gone,
+        chief/membership.py); a live member opens another."""
+        s = self.servicer
+        try:
+            self._refused_token(f"/{SERVICE}/Watch", context)
+            if isinstance(request, _Undecodable):
+                auth.REFUSALS.warning("invalid", "refused /%s/Watch from %s: %s", SERVICE, context.peer(),
+                                      request.text)
+                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.text)
+            waker = _Waker(self.pacer)
+            try:
+                scope, _ = s.watch_begin(request, waker)
+            except ShoalError as exc:
+                raise _Aborted(exc.code, str(exc)) from exc
+            asked = pb.ViewRequest(member_id=request.member_id, scope=request.scope, after_epoch=request.after_epoch)
+            try:
+                while True:
+                    while not s.watch_done(scope, asked.after_epoch):
+                        await waker.event.wait()
+                        waker.event.clear()
+                    seen = s.views.waits_past(scope)
+                    started = time.perf_counter()
+                    try:
+                        reply = s.watch_answer(asked, scope)
+                    except ShoalError as exc:
+                        raise _Aborted(exc.code, str(exc)) from exc
+                    observe_rpc("Watch", "OK", started)
+                    yield reply
+                    asked.after_epoch = seen
+            finally:
+                s.watch_end(request, scope, waker, False)
+        except _Aborted as a:
+            observe_rpc("Watch", a.code.name, time.perf_counter())
+            await context.abort(a.code, a.details)
 
     async def _keepalive(self, requests, context):
         """Heartbeats on one stream, each answered as ``Heartbeat`` answers it, in order, and counted in

@@ -59,6 +59,11 @@ class ChiefStub:
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.ViewRequest.SerializeToString,
                 response_deserializer=shoal_dot_proto_dot_shoal__pb2.ClusterView.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/shoal.Chief/Watch',
+                request_serializer=shoal_dot_proto_dot_shoal__pb2.ViewRequest.SerializeToString,
+                response_deserializer=shoal_dot_proto_dot_shoal__pb2.ClusterView.FromString,
+                _registered_method=True)
         self.GetTasks = channel.unary_unary(
                 '/shoal.Chief/GetTasks',
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.TaskRequest.SerializeToString,
@@ -116,6 +121,16 @@ class ChiefServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """A view watch that stays open: the view now (or, with after_epoch, the first newer one), then each
+        newer view of the scope as it changes. A change costs the chief a message per watcher, not an
+        answer and a new call (bench/RESULTS.md). timeout_seconds is not used. A member falls back to
+        GetView long polls on UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTasks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -165,6 +180,11 @@ def add_ChiefServicer_to_server(servicer, server):
             ),
             'GetView': grpc.unary_unary_rpc_method_handler(
                     servicer.GetView,
+                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.ViewRequest.FromString,
+                    response_serializer=shoal_dot_proto_dot_shoal__pb2.ClusterView.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
                     request_deserializer=shoal_dot_proto_dot_shoal__pb2.ViewRequest.FromString,
                     response_serializer=shoal_dot_proto_dot_shoal__pb2.ClusterView.SerializeToString,
             ),
@@ -322,6 +342,33 @@ class Chief:
             request,
             target,
             '/shoal.Chief/GetView',
+            shoal_dot_proto_dot_shoal__pb2.ViewRequest.SerializeToString,
+            shoal_dot_proto_dot_shoal__pb2.ClusterView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shoal.Chief/Watch',
             shoal_dot_proto_dot_shoal__pb2.ViewRequest.SerializeToString,
             shoal_dot_proto_dot_shoal__pb2.ClusterView.FromString,
             options,

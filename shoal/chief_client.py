@@ -52,6 +52,8 @@ class ChiefClient:
         self.channel = open_channel(address, lambda: self.credential)
         self.stub = pb_grpc.ChiefStub(self.channel)
         self._beats = HeartbeatStream(lambda: self.stub, use_stream=keepalive)
+        self._watch_stream = keepalive       # the view on a Watch stream (else GetView long polls)
+        self._watch_call = None
         self.member_id = ""
         self.shard = -1
         self.lease_seconds = 3.0
@@ -78,8 +80,11 @@ class ChiefClient:
                 raise
             raise Unreachable(f"gave up after {time.monotonic() - t0:.0f}s waiting to join the chief at "
                               f"{self.chief_address} ({exc.code().name})") from exc
+        renamed = self.member_id not in ("", reply.member_id)
         self.member_id, self.shard, self.lease_seconds = reply.member_id, reply.shard, reply.lease_seconds
         self.credential = reply.credential
+        if renamed and self._watch_call is not None:
+            self._watch_call.cancel()        # the open watch is under the old id: the next one under the new
         self._set_view(reply.view)
         log.info("joined chief %s as %s (view epoch %d)", self.chief_address, self.member_id, reply.view.epoch)
         return reply
@@ -116,6 +121,8 @@ class ChiefClient:
         self._stop.set()
         self._beat_now.set()
         self._beats.close()
+        if self._watch_call is not None:
+            self._watch_call.cancel()
         self.channel.close()
         for t in self._threads:
             t.join(timeout=2)
@@ -201,6 +208,35 @@ class ChiefClient:
             except Exception:  # noqa: BLE001 - a bug in a callback must not end the lease's heartbeats
                 log.exception("heartbeat of %s failed; heartbeats go on", self.member_id)
 
+    def _watch_on_stream(self, after: int, backoff: float) -> float:
+        """One ``Watch`` stream, until it ends: every view it sends is taken. A chief that stopped
+        answering is noticed by the channel's keepalive pings, which end the stream. Returns the
+        backoff before the next stream."""
+        try:
+            call = self.stub.Watch(pb.ViewRequest(after_epoch=after, member_id=self.member_id,
+                                                  scope=self.view_scope))
+            self._watch_call = call
+            if self._stop.is_set():
+                call.cancel()
+            for view in call:
+                self._set_view(view)
+                backoff = 0.1
+        except grpc.RpcError as exc:
+            if self._stop.is_set():
+                return backoff
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                log.info("the chief has no Watch stream; the view is watched with long polls")
+                self._watch_stream = False
+                return backoff
+            if exc.code() not in RETRYABLE and exc.code() is not grpc.StatusCode.CANCELLED:
+                log.warning("view watch: %s", exc.code().name)
+        except ValueError:          # the channel was closed under the call: close() is under way
+            if not self._stop.is_set():
+                raise
+            return backoff
+        self._stop.wait(backoff)
+        return min(2.0, backoff * 2)
+
     def _heartbeat_request(self) -> pb.HeartbeatRequest:
         req = pb.HeartbeatRequest(member_id=self.member_id, counters=convert.counters_to_pb(self._counters()))
         if self._heartbeat_extra is not None:
@@ -215,6 +251,9 @@ class ChiefClient:
         backoff = 0.1
         while not self._stop.is_set():
             after = self._view.epoch if self._view is not None else -1
+            if self._watch_stream:
+                backoff = self._watch_on_stream(after, backoff)
+                continue
             try:
                 # the chief holds the call up to WATCH_S when nothing changes; a lease more and it is not
                 # answering (a peer that vanished is noticed sooner, by the channel's keepalive pings)

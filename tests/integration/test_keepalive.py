@@ -168,3 +168,87 @@ def test_strangers_get_the_refusals_of_the_single_call(chief):
     # and the open chief still answers a member on a stream
     a = stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5).member_id
     assert [r.known for r in stub.KeepAlive(iter([pb.HeartbeatRequest(member_id=a)] * 2), timeout=5)] == [True, True]
+
+
+# ---------------------------------------------------------------- the view on a Watch stream
+
+def test_a_watch_stream_sends_the_view_then_each_change_once(chief):
+    server, stub, _ = chief
+    ps = stub.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:1"), timeout=5).member_id
+    call = stub.Watch(pb.ViewRequest(after_epoch=-1, member_id=ps, scope=pb.FULL))
+    try:
+        first = next(call)
+        assert first.epoch == server.state.epoch and any(m.member_id == ps for m in first.members)
+        assert server.state.members.watching(ps)
+        epochs = [first.epoch]
+        for _ in range(3):                                        # three changes, each seen
+            stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5)
+            view = next(call)
+            assert view.epoch > epochs[-1] and view.epoch == server.state.epoch
+            epochs.append(view.epoch)
+    finally:
+        call.cancel()
+    # the stream ending is a watch broken off: the member is not watching, and its lease is cut
+    wait_until(lambda: not server.state.members.watching(ps), timeout_s=5, what="the watch to close")
+
+
+def test_a_workers_routing_stream_is_not_woken_by_other_workers(chief):
+    server, stub, _ = chief
+    stub.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:1"), timeout=5)
+    w = stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT, view_scope=pb.ROUTING), timeout=5)
+    call = stub.Watch(pb.ViewRequest(after_epoch=w.view.epoch, member_id=w.member_id, scope=pb.ROUTING))
+    got = []
+
+    def read():
+        try:
+            got.extend(v.epoch for v in call)
+        except grpc.RpcError:
+            pass                                                  # cancelled at the end
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        for _ in range(3):
+            stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5)
+        time.sleep(0.3)
+        assert got == []                                          # workers joining change no route
+        stub.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:2"), timeout=5)
+        wait_until(lambda: len(got) == 1, timeout_s=5, what="the routing change")
+    finally:
+        call.cancel()
+        reader.join(5)
+
+
+def test_a_member_follows_the_view_on_one_stream_and_falls_back_to_long_polls_without_one():
+    server = ChiefServer(JobConfig(num_shards=1, lease_seconds=2.0), bind="127.0.0.1:0", tick_s=0.05).start()
+    client = ChiefClient(server.address, pb.PS, address_advertised="127.0.0.1:9")
+    other = pb_grpc.ChiefStub(grpc.insecure_channel(server.address))
+    try:
+        client.join()
+        client.start_background()
+        for _ in range(3):
+            other.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5)
+            client.wait_view(lambda v: v.epoch == server.state.epoch, timeout_s=5)
+        assert client._watch_stream and client._watch_call is not None
+    finally:
+        client.close()
+        server.stop(grace_s=0.1)
+    fake = FakeChief("none")                                      # no Watch, no KeepAlive
+    old = ChiefClient(f"127.0.0.1:{fake.port}", pb.PS)
+    try:
+        old.member_id = "ps-0"
+        old._watch_on_stream(-1, 0.1)
+        assert not old._watch_stream                              # UNIMPLEMENTED: long polls from now on
+    finally:
+        old.close()
+        fake.server.stop(0)
+
+
+def test_a_stranger_gets_the_refusals_of_getview_on_the_stream(chief):
+    server, stub, channel = chief
+    raw = channel.unary_stream("/shoal.Chief/Watch")
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(b"\xff\xff\xff\xff", timeout=5))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Watch(pb.ViewRequest(after_epoch=-1, scope=7), timeout=5))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
