@@ -205,6 +205,7 @@ class AsyncChief:
                     while not s.watch_done(scope, asked.after_epoch):
                         await waker.event.wait()
                         waker.event.clear()
+                    await self._paced(scope)
                     seen = s.views.waits_past(scope)
                     started = time.perf_counter()
                     try:
@@ -219,6 +220,13 @@ class AsyncChief:
         except _Aborted as a:
             observe_rpc("Watch", a.code.name, time.perf_counter())
             await context.abort(a.code, a.details)
+
+    async def _paced(self, scope: int) -> None:
+        """Waits until a full view may be built again (chief/views.py, FULL_PACE)."""
+        if scope == pb.FULL:
+            wait = self.servicer.views.full_wait_s()
+            if wait > 0:
+                await asyncio.sleep(wait)
 
     async def _keepalive(self, requests, context):
         """Heartbeats on one stream, each answered as ``Heartbeat`` answers it, in order, and counted in
@@ -301,6 +309,8 @@ class AsyncChief:
                 except TimeoutError:
                     break
                 waker.event.clear()
+            if s.watch_done(scope, request.after_epoch):
+                await self._paced(scope)
             try:
                 reply = s.watch_answer(request, scope)
             except ShoalError as exc:

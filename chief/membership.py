@@ -58,6 +58,11 @@ class Membership:
         self.lease_seconds = lease_seconds
         self._clock = clock
         self._members: dict[str, Member] = {}
+        # alive()'s answers, kept until a member joins or stops being live (``_live_changed``): views are
+        # built from them on every change and every answer, and a scan of 1000 members' states per
+        # call was most of a loaded chief's time (bench/chief_grpc.py, py-spy).
+        self._alive: dict[Role | None, list[Member]] | None = None
+        self.live_version = 0          # counts the changes to who is live (see ViewBoard's ranks)
         self._next_id = {Role.WORKER: 0, Role.PS: 0}
         # Connection sightings (not journaled: a restarted chief has seen no connection yet).
         self._watches: dict[str, int] = {}
@@ -101,6 +106,7 @@ class Membership:
                    state=MemberState.IDLE if role is Role.WORKER else MemberState.ALIVE,
                    counters=old.counters if old is not None else Counters())
         self._members[member_id] = m
+        self._live_changed()
         self._dirty[member_id] = None
         log.info("member %s joined (%s%s)", member_id, role.value, f" at {address}" if address else "")
         return m
@@ -126,6 +132,7 @@ class Membership:
         self._dirty[member_id] = None
         if m.live:
             m.state = MemberState.LEFT
+            self._live_changed()
             log.info("member %s left", member_id)
         return m
 
@@ -149,6 +156,7 @@ class Membership:
             else:
                 continue
             m.state = MemberState.EXPIRED
+            self._live_changed()
             self._dirty[m.member_id] = None
             gone.append(m)
         return gone
@@ -283,6 +291,7 @@ class Membership:
         if m is None or not m.live:
             return None
         m.state = MemberState.EXPIRED
+        self._live_changed()
         self._dirty[member_id] = None
         log.info("member %s expired (%s)", member_id, why)
         return m
@@ -307,9 +316,16 @@ class Membership:
         log.debug("member %s is %s", member_id, new.value)
         return True
 
+    def _live_changed(self) -> None:
+        self._alive = None
+        self.live_version += 1
+
     def alive(self, role: Role | None = None) -> list[Member]:
-        """Members holding a lease (ALIVE or IDLE)."""
-        return [m for m in self._members.values() if m.live and (role is None or m.role is role)]
+        """Members holding a lease (ALIVE or IDLE), in the order they joined (a new list each call)."""
+        if self._alive is None:
+            live = [m for m in self._members.values() if m.live]
+            self._alive = {None: live, **{r: [m for m in live if m.role is r] for r in Role}}
+        return list(self._alive[role])
 
     def all(self, role: Role | None = None) -> Iterable[Member]:
         return [m for m in self._members.values() if role is None or m.role is role]

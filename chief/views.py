@@ -20,6 +20,7 @@ view again (which a watcher already holds). Every method runs with the servicer'
 from __future__ import annotations
 
 import threading
+import time
 
 from shoal import convert
 from shoal.chief.state import ChiefState
@@ -28,6 +29,11 @@ from shoal.members import Role, ranks
 from shoal.proto import shoal_pb2 as pb
 
 SCOPES = (pb.FULL, pb.ROUTING)
+# A full view is rebuilt at most once per FULL_PACE times what its last build took: with a thousand
+# members a build is some ms, and a worker going busy or idle, joining or leaving moves the epoch
+# many times a second; built once per epoch, the few full watchers' views took 40% of a loaded
+# chief's event loop (bench/chief_grpc.py, py-spy). A watcher gets the epochs in between in one view.
+FULL_PACE = 10.0
 
 
 def check_scope(scope: int) -> int:
@@ -48,8 +54,9 @@ class ViewBoard:
         self.state = state
         self.watches: dict[int, set[threading.Event]] = {s: set() for s in SCOPES}
         self._full: tuple[int, bytes] | None = None          # (epoch, the full view's bytes)
+        self._full_next = 0.0          # time.monotonic() before which a full view is not built again
         self._routing: tuple[int, bytes] | None = None       # (routing epoch, the routing view's bytes)
-        self._ranks: tuple[int, dict[str, int]] = (-1, {})   # (epoch, each live worker's rank)
+        self._ranks: tuple = (None, -1, {})   # (Membership, its live_version, each live worker's rank)
         self._routing_key: tuple | None = None
         self._checked_at = -1          # the state's epoch when the routing key was last compared
         self.routing_epoch = -1        # the newest epoch at which what a routing view shows changed
@@ -59,6 +66,10 @@ class ViewBoard:
     def waits_past(self, scope: int) -> int:
         """The epoch a watch of ``scope`` compares its ``after_epoch`` with (no lock: an int read)."""
         return self.state.epoch if scope == pb.FULL else self.routing_epoch
+
+    def full_wait_s(self) -> float:
+        """How long a full watcher with a change to see waits before its answer is built (no lock)."""
+        return max(0.0, self._full_next - time.monotonic())
 
     def stale(self) -> bool:
         """The epoch moved without :meth:`changed` (a change made outside the servicer)."""
@@ -95,7 +106,10 @@ class ViewBoard:
         if scope == pb.FULL:
             epoch = self.state.epoch
             if fresh or self._full is None or self._full[0] != epoch:
+                started = time.monotonic()
                 self._full = (epoch, convert.view_to_pb(self.state.view()).SerializeToString())
+                ended = time.monotonic()
+                self._full_next = ended + FULL_PACE * (ended - started)
             return self._full[1]
         if self._refresh():             # a change nobody announced: the other routing watches see it too
             self._wake(pb.ROUTING)
@@ -114,10 +128,10 @@ class ViewBoard:
         return pb.ClusterView.FromString(self.answer(scope, member_id, fresh=True))
 
     def _rank(self, member_id: str) -> int:
-        epoch = self.state.epoch
-        if self._ranks[0] != epoch:
-            self._ranks = (epoch, ranks(m.member_id for m in self.state.members.alive(Role.WORKER)))
-        return self._ranks[1].get(member_id, 0)
+        members = self.state.members
+        if self._ranks[0] is not members or self._ranks[1] != members.live_version:
+            self._ranks = (members, members.live_version, ranks(m.member_id for m in members.alive(Role.WORKER)))
+        return self._ranks[2].get(member_id, 0)
 
     @staticmethod
     def unchanged(after_epoch: int) -> bytes:

@@ -192,6 +192,45 @@ def test_a_watch_stream_sends_the_view_then_each_change_once(chief):
     wait_until(lambda: not server.state.members.watching(ps), timeout_s=5, what="the watch to close")
 
 
+@pytest.mark.parametrize("how", ["stream", "long poll"])
+def test_full_views_are_paced_and_a_watcher_gets_the_changes_in_between_in_one(chief, monkeypatch, how):
+    """While a full view may not be built again (chief/views.py, FULL_PACE; here 0.4 s after each),
+    changes pile up; the watcher's next answer holds all of them, and later ones follow."""
+    server, stub, _ = chief
+    board = server.servicer.views
+    pace_s, built = 0.4, board.answer
+
+    def paced_answer(scope, member_id, fresh):
+        out = built(scope, member_id, fresh)
+        if scope == pb.FULL:
+            board._full_next = time.monotonic() + pace_s
+        return out
+    monkeypatch.setattr(board, "answer", paced_answer)
+    ps = stub.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:1"), timeout=5).member_id
+    if how == "stream":
+        call = stub.Watch(pb.ViewRequest(after_epoch=-1, member_id=ps, scope=pb.FULL))
+        answers = lambda epoch: call                                                  # noqa: E731
+    else:
+        call = None
+        answers = lambda epoch: iter([stub.GetView(pb.ViewRequest(after_epoch=epoch, member_id=ps, scope=pb.FULL,  # noqa: E731
+                                                                  timeout_seconds=10), timeout=15)])
+    try:
+        first = next(answers(-1))
+        t0 = time.monotonic()
+        for _ in range(3):
+            stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5)
+        after = server.state.epoch
+        view = next(answers(first.epoch))
+        waited = time.monotonic() - t0
+        assert view.epoch == after and sum(m.role == pb.WORKER for m in view.members) == 3
+        assert pace_s * 0.8 <= waited < pace_s + 5, waited
+        stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5)
+        assert next(answers(view.epoch)).epoch == server.state.epoch
+    finally:
+        if call is not None:
+            call.cancel()
+
+
 def test_a_workers_routing_stream_is_not_woken_by_other_workers(chief):
     server, stub, _ = chief
     stub.Join(pb.JoinRequest(role=pb.PS, address="127.0.0.1:1"), timeout=5)
