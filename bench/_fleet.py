@@ -58,7 +58,10 @@ class FakeWorker:
         self.scope = scope
         self.stream = stream            # heartbeats and the view on streams (as ChiefClient), else calls and polls
         self._beats = None
-        self.channel = grpc.aio.insecure_channel(address)
+        # A subchannel pool of its own: otherwise gRPC shares one connection among every channel of a
+        # process with the same target and arguments, and a fleet process's members all talk to the chief
+        # over one connection, where real members (one a host) have one each.
+        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = pb_grpc.ChiefStub(self.channel)
         self.rec = rec
         self.dataset = dataset
@@ -195,9 +198,11 @@ async def run(address: str, n: int, task_period_s: float, dataset_size: int, sco
             break
     rec.measuring = False
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-    for t in loops:
-        t.cancel()
-    await asyncio.gather(*loops, return_exceptions=True)
+    pending = set(loops)
+    while pending:      # again until all end: asyncio.wait_for (3.11) can swallow a cancel that meets its answer
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
     print(json.dumps({"pid": os.getpid(), "workers": n, "heartbeat_ms": rec.heartbeat_ms, "tasks_ms": rec.tasks_ms,
                       "errors": rec.errors, "views": rec.views, "rejoins": rec.rejoins, "cpu_s": cpu, "wall_s": wall,
                       "seen": [w.seen for w in workers]}), flush=True)
