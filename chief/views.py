@@ -34,6 +34,7 @@ SCOPES = (pb.FULL, pb.ROUTING)
 # many times a second; built once per epoch, the few full watchers' views took 40% of a loaded
 # chief's event loop (bench/chief_grpc.py, py-spy). A watcher gets the epochs in between in one view.
 FULL_PACE = 10.0
+FULL_WAIT_MAX_S = 0.5      # never longer than this (a server waits on its full view to take over a shard)
 
 
 def check_scope(scope: int) -> int:
@@ -106,10 +107,10 @@ class ViewBoard:
         if scope == pb.FULL:
             epoch = self.state.epoch
             if fresh or self._full is None or self._full[0] != epoch:
-                started = time.monotonic()
+                started = time.thread_time()        # the build's CPU: a thread descheduled meanwhile is not it
                 self._full = (epoch, convert.view_to_pb(self.state.view()).SerializeToString())
-                ended = time.monotonic()
-                self._full_next = ended + FULL_PACE * (ended - started)
+                cost = time.thread_time() - started
+                self._full_next = time.monotonic() + min(FULL_WAIT_MAX_S, FULL_PACE * cost)
             return self._full[1]
         if self._refresh():             # a change nobody announced: the other routing watches see it too
             self._wake(pb.ROUTING)

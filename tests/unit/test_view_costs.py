@@ -108,8 +108,9 @@ def test_a_routing_answers_rank_follows_who_is_live():
 
 
 def test_a_full_view_waits_pace_times_its_last_builds_cost(monkeypatch):
-    now = [50.0]
+    now = [50.0]                     # one fake clock for the build's CPU time and for the wall clock
     monkeypatch.setattr(views_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(views_mod.time, "thread_time", lambda: now[0])
     state = ChiefState(JobConfig(num_shards=1, lease_seconds=LEASE), Clock())
     board = ViewBoard(state)
     assert board.full_wait_s() == 0.0                          # nothing built yet
@@ -129,3 +130,19 @@ def test_a_full_view_waits_pace_times_its_last_builds_cost(monkeypatch):
     state.epoch += 1
     board.answer(pb.FULL, "", fresh=False)                    # a new epoch: built again, the pace restarts
     assert abs(board.full_wait_s() - views_mod.FULL_PACE * 0.02) < 1e-9
+
+
+def test_a_full_view_never_waits_longer_than_the_cap(monkeypatch):
+    now = [50.0]
+    monkeypatch.setattr(views_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(views_mod.time, "thread_time", lambda: now[0])
+    state = ChiefState(JobConfig(num_shards=1, lease_seconds=LEASE), Clock())
+    board = ViewBoard(state)
+    view = state.view
+
+    def very_slow_view():
+        now[0] += 1.0
+        return view()
+    monkeypatch.setattr(state, "view", very_slow_view)
+    board.answer(pb.FULL, "", fresh=False)
+    assert board.full_wait_s() == views_mod.FULL_WAIT_MAX_S
