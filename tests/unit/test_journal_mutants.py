@@ -129,3 +129,30 @@ def test_the_journal_flags_are_keyword_only(tmp_path):
         Journal(path, True)
     assert not path.exists()
     Journal(path=path).close()
+
+
+def test_the_event_log_keeps_the_last_1000_to_1099_events_pruned_every_100_writes(tmp_path):
+    """docs/architecture.md: a bounded event log of the last 1000 to 1100 events, pruned every 100
+    writes (the defaults the chief runs with): never fewer than the newest 1000, the oldest dropped
+    100 at a time."""
+    j = Journal(tmp_path / "chief.db", synchronous="OFF")
+    for i in range(1, 1201):
+        j.write({"n": i}, f"event {i}")
+        if i in (1000, 1099, 1100, 1199, 1200):
+            first = max(1, i // 100 * 100 - 999)
+            assert [e for _, e in j.events(5000)] == [f"event {k}" for k in range(first, i + 1)], i
+    j.close()
+
+
+def test_with_the_defaults_changes_are_compacted_once_they_outgrow_one_mib(tmp_path):
+    """docs/architecture.md: a write is a whole snapshot when the changes since the last one outgrow
+    it, 1 MiB at least (``compact_bytes``' default)."""
+    j = Journal(tmp_path / "chief.db", synchronous="OFF")
+    snap = lambda: {"clock": 0.0}                           # noqa: E731  (13 bytes)
+    j.append(_changes(0.5), "first", snap)                  # a process's first write is whole
+    n = (1 << 20) - len("1.5") - len('[""]')                # the clock row and a tasks row: 1 MiB in all
+    j.append({**_changes(1.5), "tasks": ["x" * n]}, "a MiB of changes", snap)
+    assert (j.snapshots, j.writes) == (1, 2)                # 1 MiB reaches the bar, does not outgrow it
+    j.append(_changes(2.5), "3 bytes more", snap)
+    assert (j.snapshots, j.writes) == (2, 3)
+    j.close()
