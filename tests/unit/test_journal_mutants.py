@@ -1,4 +1,5 @@
 """Edges of the chief's journal (chief/journal.py) that a cosmic-ray run left untested (bench/RESULTS.md, make mutate)."""
+import json
 import logging
 import sqlite3
 
@@ -155,4 +156,45 @@ def test_with_the_defaults_changes_are_compacted_once_they_outgrow_one_mib(tmp_p
     assert (j.snapshots, j.writes) == (1, 2)                # 1 MiB reaches the bar, does not outgrow it
     j.append(_changes(2.5), "3 bytes more", snap)
     assert (j.snapshots, j.writes) == (2, 3)
+    j.close()
+
+
+@pytest.mark.parametrize("kind,body", [
+    ("members", [{"role": "worker"}]),              # a member row without its id: KeyError
+    ("steps", 5),                                   # not pairs: TypeError
+    ("small", [{}]),                                # not [small, members_meta]: ValueError
+])
+def test_a_change_that_does_not_fit_the_snapshot_is_unreadable_naming_the_file(tmp_path, kind, body):
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    j.write({"clock": 0.0, "members": {"members": []}, "step_seconds": {}}, "snapshot")
+    j.close()
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO changes (kind, body) VALUES (?, ?)", (kind, json.dumps(body)))
+    again = Journal(path)
+    with pytest.raises(JournalUnreadable, match=f"chief journal {path} is unreadable"):
+        again.load()
+    again.close()
+
+
+class _Locked(_FailingEvents):
+    """The journal's connection, except that the next write cannot start: another connection holds
+    the database's write lock past the busy timeout. No transaction is open, so ROLLBACK fails too."""
+
+    def execute(self, sql, *args):
+        if self.fail and sql == "BEGIN IMMEDIATE":
+            self.fail = False
+            raise sqlite3.OperationalError("database is locked")
+        return self.db.execute(sql, *args)
+
+
+def test_a_write_that_cannot_start_is_a_journal_error_and_the_next_write_is_whole(tmp_path):
+    j = Journal(tmp_path / "chief.db")
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    j._db = _Locked(j._db)
+    with pytest.raises(JournalError, match="cannot write the chief journal .*database is locked"):
+        j.append(_changes(2.0), "locked out", snap)
+    j.append(_changes(3.0), "after it", snap)
+    assert (j.snapshots, j.writes) == (2, 2)
     j.close()

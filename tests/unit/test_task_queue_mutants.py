@@ -93,11 +93,14 @@ def test_task_ids_are_dense_and_unique_re_queued_batches_included():
     assert {seen[8][1], seen[9][1]} == {0, 1} and all(seen[i][3] - seen[i][2] == 8 for i in (8, 9))
 
 
-def test_a_release_puts_the_tasks_back_in_task_id_order_at_the_front():
+def test_a_release_puts_the_tasks_back_in_task_id_order_at_the_front_and_says_so(caplog):
     q = queue(size=64, batch=8, epochs=1, per_task=1)   # 8 one-batch tasks
     held = q.take("w", 3)
     q.take("v", 1)
-    back = q.release("w")
+    with caplog.at_level(logging.INFO, logger="shoal.chief.tasks"):
+        assert q.release("x") == []                     # holds nothing: nothing to say
+        back = q.release("w")
+    assert [r.getMessage() for r in caplog.records] == ["re-queued 3 task(s) of w"]
     assert brief(back) == brief(held)                   # nothing was pushed: each from its start
     want = sorted(brief(held))
     assert brief(q.pending()[:3]) == want and brief(q.take("u", 3)) == want
