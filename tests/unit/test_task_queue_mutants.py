@@ -56,6 +56,23 @@ def test_progress_only_moves_forward_and_is_journaled_only_when_it_does():
     assert q.release("w") == [q.pending()[0]] and q.done_count == 1    # t is done; the other goes back
 
 
+def test_a_retried_report_is_quiet_and_a_late_one_says_so(caplog):
+    """A retried report of a done task is harmless and says nothing; only a report of a task the member
+    no longer holds (its lease ended, the task was re-queued) is logged as late."""
+    q = queue(size=64, batch=8, epochs=1, per_task=2)
+    a, b = q.take("w", 2)
+    q.complete("w", a.task_id)
+    with caplog.at_level(logging.INFO, logger="shoal.chief.tasks"):
+        q.complete("w", a.task_id)                  # the reply was lost: the same report again
+        assert caplog.records == []
+        q.release("w")
+        caplog.clear()
+        q.complete("w", b.task_id)                  # b went back to the queue: a late report
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"ignoring a late report of task {b.task_id} from w (re-queued after its lease ended)"]
+    assert q.done_count == 1
+
+
 def test_a_report_before_any_dataset_is_configured_is_refused():
     q = TaskQueue()
     with pytest.raises(InvalidArgument, match="task 0 is not held by anyone"):
@@ -131,6 +148,8 @@ def test_a_snapshot_may_hold_any_count_of_untouched_tasks_the_last_epoch_can_hav
             q.complete("w", t.task_id)
     d = q.to_dict()
     assert d["next_epoch"] == epochs and 0 < d["fresh"] < 10
+    with pytest.raises(ValueError, match=f"^11 untouched tasks of epoch {epochs - 1}, which does not have them"):
+        TaskQueue.from_dict({**d, "fresh": 11})
     first = (epochs - 1) * 10
     for fresh in (1, 10):                             # the epoch's last task untouched, or all of them
         ids = [t.task_id for t in TaskQueue.from_dict({**d, "fresh": fresh}).pending()]
