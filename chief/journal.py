@@ -175,7 +175,7 @@ class Journal:
             self._write(event, rows=rows)
         self._last_small = small
 
-    def _write(self, event: str, *, snapshot: str | None = None, rows: list[tuple[str, str]] = ()) -> None:
+    def _write(self, event: str, snapshot: str | None = None, rows: list[tuple[str, str]] = ()) -> None:
         """One transaction: the whole ``snapshot`` (the changes since deleted), or else the change ``rows``
         appended; and ``event``."""
         with self._lock:

@@ -198,3 +198,42 @@ def test_a_write_that_cannot_start_is_a_journal_error_and_the_next_write_is_whol
     j.append(_changes(3.0), "after it", snap)
     assert (j.snapshots, j.writes) == (2, 2)
     j.close()
+
+
+class _FailingCommit(_FailingEvents):
+    """The journal's connection, except that the next COMMIT fails with ``code``; with ``rolled_back``
+    SQLite has rolled the transaction back by itself first (as it may on a full disk or an I/O error)."""
+
+    def __init__(self, db, code, rolled_back):
+        super().__init__(db)
+        self.code, self.rolled_back = code, rolled_back
+
+    def execute(self, sql, *args):
+        if self.fail and sql == "COMMIT":
+            self.fail = False
+            if self.rolled_back:
+                self.db.execute("ROLLBACK")
+            exc = sqlite3.OperationalError("commit failed")
+            exc.sqlite_errorcode = self.code
+            raise exc
+        return self.db.execute(sql, *args)
+
+
+@pytest.mark.parametrize("code,rolled_back", [
+    (sqlite3.SQLITE_FULL, True),                    # a full disk: rolled back, out of the transaction
+    (sqlite3.SQLITE_INTERRUPT, False),              # interrupted before it landed: still in the transaction
+])
+def test_a_commit_that_did_not_land_is_a_failed_write(tmp_path, code, rolled_back):
+    """Only an interrupt reported after the transaction is done counts as written
+    (test_journal_changes.py); any other failed COMMIT is a JournalError, and the next write is whole."""
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    j._db = _FailingCommit(j._db, code, rolled_back)
+    with pytest.raises(JournalError, match="commit failed"):
+        j.append(_changes(2.0), "does not land", snap)
+    assert j.writes == 1
+    j.append(_changes(3.0), "after it", snap)
+    assert (j.snapshots, j.writes) == (2, 2)
+    j.close()
