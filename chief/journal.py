@@ -77,6 +77,11 @@ class JournalUnreadable(JournalError):
 
 
 class Journal:
+    # how large the last snapshot and the changes appended since are (compaction's measure): set by every
+    # snapshot, and a process's first write is always one (``_need_snapshot`` starts true)
+    _snapshot_bytes: int
+    _change_bytes: int
+
     def __init__(self, path: str | os.PathLike, *, fresh: bool = False, synchronous: str = "NORMAL",
                  keep_events: int = 1000, compact_bytes: int = 1 << 20):
         if synchronous.upper() not in SYNCHRONOUS:
@@ -86,8 +91,6 @@ class Journal:
         self.compact_bytes = compact_bytes
         self.snapshots = 0              # writes that were whole snapshots (the rest appended changes)
         self._need_snapshot = True      # this process's first write is whole: see the module's docstring
-        self._snapshot_bytes = 0
-        self._change_bytes = 0
         self._last_small = ""
         self.writes = 0
         self._lock = threading.Lock()
@@ -99,19 +102,18 @@ class Journal:
         except sqlite3.Error as exc:
             raise self._unreadable(exc) from exc
         try:
-            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            (mode,) = self._db.execute("PRAGMA journal_mode=WAL").fetchone()
             if mode.lower() != "wal":
                 raise sqlite3.DatabaseError(f"journal_mode is {mode}, not wal")
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-            check = self._db.execute("PRAGMA quick_check").fetchone()[0]
+            (check,) = self._db.execute("PRAGMA quick_check").fetchone()
             if check != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {check}")
             self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT writes FROM snapshot WHERE id = 1").fetchone()
+            (self._total_writes,) = self._db.execute("SELECT writes FROM snapshot WHERE id = 1").fetchone() or (0,)
         except sqlite3.Error as exc:
             self._db.close()
             raise self._unreadable(exc) from exc
-        self._total_writes = row[0] if row else 0
 
     def _unreadable(self, exc: Exception) -> JournalError:
         return JournalUnreadable(f"chief journal {self.path} is unreadable or corrupt ({exc}); "
@@ -138,7 +140,8 @@ class Journal:
         if row is None:
             return None
         try:
-            state = json.loads(row[0])
+            (text,) = row
+            state = json.loads(text)
             if not isinstance(state, dict):
                 raise ValueError(f"snapshot is a {type(state).__name__}, not an object")
             return replay(state, [(kind, json.loads(body)) for kind, body in changes])
@@ -148,7 +151,7 @@ class Journal:
     def write(self, state: dict, event: str) -> None:
         """Replaces the snapshot (and the changes since) and logs ``event``, atomically and durably
         (before the caller replies)."""
-        self._write([("snapshot", json.dumps(state, separators=(",", ":")))], event)
+        self._write(event, snapshot=json.dumps(state, separators=(",", ":")))
         self._need_snapshot = "clock" not in state      # changes apply only to a snapshot that has one
 
     def append(self, changes: dict, event: str, snapshot: Callable[[], dict]) -> None:
@@ -169,18 +172,20 @@ class Journal:
         if changes["whole"] or self._need_snapshot or self._change_bytes + size > max(self.compact_bytes, self._snapshot_bytes):
             self.write(snapshot(), event)
         else:
-            self._write(rows, event)
+            self._write(event, rows=rows)
         self._last_small = small
 
-    def _write(self, rows: list[tuple[str, str]], event: str) -> None:
+    def _write(self, event: str, snapshot: str | None = None, rows: list[tuple[str, str]] = ()) -> None:
+        """One transaction: the whole ``snapshot`` (the changes since deleted), or else the change ``rows``
+        appended; and ``event``."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 now = time.time()
                 self._total_writes += 1
-                if rows[0][0] == "snapshot":
+                if snapshot is not None:
                     self._db.execute("INSERT OR REPLACE INTO snapshot (id, written_at, writes, state) "
-                                     "VALUES (1, ?, ?, ?)", (now, self._total_writes, rows[0][1]))
+                                     "VALUES (1, ?, ?, ?)", (now, self._total_writes, snapshot))
                     self._db.execute("DELETE FROM changes")
                 else:
                     self._db.executemany("INSERT INTO changes (kind, body) VALUES (?, ?)", rows)
@@ -195,9 +200,9 @@ class Journal:
                     pass
                 self._need_snapshot = True     # what the failed write held is in no row: start over whole
                 raise JournalError(f"cannot write the chief journal {self.path}: {exc}") from exc
-        if rows[0][0] == "snapshot":
+        if snapshot is not None:
             self.snapshots += 1
-            self._snapshot_bytes, self._change_bytes = len(rows[0][1]), 0
+            self._snapshot_bytes, self._change_bytes = len(snapshot), 0
         else:
             self._change_bytes += sum(len(body) for _, body in rows)
         self.writes += 1
@@ -213,7 +218,7 @@ class Journal:
             if self._db.in_transaction or exc.sqlite_errorcode != sqlite3.SQLITE_INTERRUPT:
                 raise
 
-    def events(self, limit: int = 50) -> list[tuple[float, str]]:
+    def events(self, limit: int) -> list[tuple[float, str]]:
         """The newest ``limit`` events, oldest first: ``(unix time, text)``."""
         with self._lock:
             rows = self._db.execute("SELECT at, event FROM events ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()

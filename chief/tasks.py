@@ -76,7 +76,8 @@ class TaskQueue:
         try:
             for name, *args in ops:
                 if name == "configure":
-                    self.configure(DatasetSpec(**args[0]))
+                    [spec] = args
+                    self.configure(DatasetSpec(**spec))
                 elif name in ("take", "complete", "progress", "requeue_batch", "release"):
                     getattr(self, name)(*args)
                 else:
@@ -179,28 +180,19 @@ class TaskQueue:
         if not mine:
             del self._held[held[0]]
 
-    def _held_task(self, member: str, task_id: int) -> Task | None:
-        held = self._doing.get(task_id)
-        if held is None:
-            if task_id in self._done:
-                return None  # a retried report
-            raise InvalidArgument(f"task {task_id} is not held by anyone")
-        if held[0] != member:
-            raise FailedPrecondition(f"task {task_id} is held by {held[0]}, not {member}")
-        return held[1]
-
     def complete(self, member: str, task_id: int) -> None:
         """Marks a held task done. A late report from a member whose lease ended (the task was
         re-queued, maybe handed to someone else) is ignored: the shards' ledgers keep its batches
         from counting twice when the task runs again."""
         held = self._doing.get(task_id)
-        if (held is None and task_id not in self._done and 0 <= task_id < self._next_extra) or \
-                (held is not None and held[0] != member):
+        if held is None and task_id in self._done:
+            return                              # a retried report
+        if (held is None and 0 <= task_id < self._next_extra) or (held is not None and held[0] != member):
             log.info("ignoring a late report of task %d from %s (re-queued after its lease ended)", task_id, member)
             return
-        t = self._held_task(member, task_id)
-        if t is None:
-            return
+        if held is None:
+            raise InvalidArgument(f"task {task_id} is not held by anyone")
+        t = held[1]
         self._unhold(task_id)
         self._progress.pop(task_id, None)
         self._done.add(task_id)
@@ -209,12 +201,14 @@ class TaskQueue:
         self._record("complete", member, task_id)
 
     def progress(self, member: str, task_id: int, next_start: int) -> None:
-        """The member pushed every batch of the task before ``next_start``."""
+        """The member pushed every batch of the task before ``next_start``. Progress never goes back, and
+        progress at the task's start (a heartbeat before the first push) changes nothing and is not
+        journaled: a release resumes from the start anyway."""
         held = self._doing.get(task_id)
-        if held is not None and held[0] == member and held[1].start <= next_start <= held[1].stop:
-            new = max(next_start, self._progress.get(task_id, held[1].start))
-            if self._progress.get(task_id) != new:
-                self._progress[task_id] = new
+        if held is not None and held[0] == member and next_start <= held[1].stop:
+            now = self._progress.get(task_id, held[1].start)
+            if next_start > now:
+                self._progress[task_id] = next_start
                 self._record("progress", member, task_id, next_start)
 
     def requeue_batch(self, member: str, epoch: int, start: int, stop: int) -> Task:

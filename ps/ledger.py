@@ -38,8 +38,8 @@ class Ledger:
         self._by_epoch[batch.epoch][batch.start] = (count + 1, push_key)
 
     def summary(self) -> list[EpochLedger]:
-        return [EpochLedger(e, len(b), max((c for c, _ in b.values()), default=0))
-                for e, b in sorted(self._by_epoch.items())]
+        # an epoch's entry is made only to hold a batch (record, from_rows): none is empty
+        return [EpochLedger(e, len(b), max(c for c, _ in b.values())) for e, b in sorted(self._by_epoch.items())]
 
     def starts(self, epoch: int) -> dict[int, int]:
         """Batch start -> application count, for one epoch."""

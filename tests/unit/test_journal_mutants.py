@@ -1,4 +1,5 @@
 """Edges of the chief's journal (chief/journal.py) that a cosmic-ray run left untested (bench/RESULTS.md, make mutate)."""
+import json
 import logging
 import sqlite3
 
@@ -129,3 +130,110 @@ def test_the_journal_flags_are_keyword_only(tmp_path):
         Journal(path, True)
     assert not path.exists()
     Journal(path=path).close()
+
+
+def test_the_event_log_keeps_the_last_1000_to_1099_events_pruned_every_100_writes(tmp_path):
+    """docs/architecture.md: a bounded event log of the last 1000 to 1100 events, pruned every 100
+    writes (the defaults the chief runs with): never fewer than the newest 1000, the oldest dropped
+    100 at a time."""
+    j = Journal(tmp_path / "chief.db", synchronous="OFF")
+    for i in range(1, 1201):
+        j.write({"n": i}, f"event {i}")
+        if i in (1000, 1099, 1100, 1199, 1200):
+            first = max(1, i // 100 * 100 - 999)
+            assert [e for _, e in j.events(5000)] == [f"event {k}" for k in range(first, i + 1)], i
+    j.close()
+
+
+def test_with_the_defaults_changes_are_compacted_once_they_outgrow_one_mib(tmp_path):
+    """docs/architecture.md: a write is a whole snapshot when the changes since the last one outgrow
+    it, 1 MiB at least (``compact_bytes``' default)."""
+    j = Journal(tmp_path / "chief.db", synchronous="OFF")
+    snap = lambda: {"clock": 0.0}                           # noqa: E731  (13 bytes)
+    j.append(_changes(0.5), "first", snap)                  # a process's first write is whole
+    n = (1 << 20) - len("1.5") - len('[""]')                # the clock row and a tasks row: 1 MiB in all
+    j.append({**_changes(1.5), "tasks": ["x" * n]}, "a MiB of changes", snap)
+    assert (j.snapshots, j.writes) == (1, 2)                # 1 MiB reaches the bar, does not outgrow it
+    j.append(_changes(2.5), "3 bytes more", snap)
+    assert (j.snapshots, j.writes) == (2, 3)
+    j.close()
+
+
+@pytest.mark.parametrize("kind,body", [
+    ("members", [{"role": "worker"}]),              # a member row without its id: KeyError
+    ("steps", 5),                                   # not pairs: TypeError
+    ("small", [{}]),                                # not [small, members_meta]: ValueError
+])
+def test_a_change_that_does_not_fit_the_snapshot_is_unreadable_naming_the_file(tmp_path, kind, body):
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    j.write({"clock": 0.0, "members": {"members": []}, "step_seconds": {}}, "snapshot")
+    j.close()
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO changes (kind, body) VALUES (?, ?)", (kind, json.dumps(body)))
+    again = Journal(path)
+    with pytest.raises(JournalUnreadable, match=f"chief journal {path} is unreadable"):
+        again.load()
+    again.close()
+
+
+class _Locked(_FailingEvents):
+    """The journal's connection, except that the next write cannot start: another connection holds
+    the database's write lock past the busy timeout. No transaction is open, so ROLLBACK fails too."""
+
+    def execute(self, sql, *args):
+        if self.fail and sql == "BEGIN IMMEDIATE":
+            self.fail = False
+            raise sqlite3.OperationalError("database is locked")
+        return self.db.execute(sql, *args)
+
+
+def test_a_write_that_cannot_start_is_a_journal_error_and_the_next_write_is_whole(tmp_path):
+    j = Journal(tmp_path / "chief.db")
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    j._db = _Locked(j._db)
+    with pytest.raises(JournalError, match="cannot write the chief journal .*database is locked"):
+        j.append(_changes(2.0), "locked out", snap)
+    j.append(_changes(3.0), "after it", snap)
+    assert (j.snapshots, j.writes) == (2, 2)
+    j.close()
+
+
+class _FailingCommit(_FailingEvents):
+    """The journal's connection, except that the next COMMIT fails with ``code``; with ``rolled_back``
+    SQLite has rolled the transaction back by itself first (as it may on a full disk or an I/O error)."""
+
+    def __init__(self, db, code, rolled_back):
+        super().__init__(db)
+        self.code, self.rolled_back = code, rolled_back
+
+    def execute(self, sql, *args):
+        if self.fail and sql == "COMMIT":
+            self.fail = False
+            if self.rolled_back:
+                self.db.execute("ROLLBACK")
+            exc = sqlite3.OperationalError("commit failed")
+            exc.sqlite_errorcode = self.code
+            raise exc
+        return self.db.execute(sql, *args)
+
+
+@pytest.mark.parametrize("code,rolled_back", [
+    (sqlite3.SQLITE_FULL, True),                    # a full disk: rolled back, out of the transaction
+    (sqlite3.SQLITE_INTERRUPT, False),              # interrupted before it landed: still in the transaction
+])
+def test_a_commit_that_did_not_land_is_a_failed_write(tmp_path, code, rolled_back):
+    """Only an interrupt reported after the transaction is done counts as written
+    (test_journal_changes.py); any other failed COMMIT is a JournalError, and the next write is whole."""
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    snap = lambda: {"clock": 0.0}                           # noqa: E731
+    j.append(_changes(1.0), "first", snap)
+    j._db = _FailingCommit(j._db, code, rolled_back)
+    with pytest.raises(JournalError, match="commit failed"):
+        j.append(_changes(2.0), "does not land", snap)
+    assert j.writes == 1
+    j.append(_changes(3.0), "after it", snap)
+    assert (j.snapshots, j.writes) == (2, 2)
+    j.close()

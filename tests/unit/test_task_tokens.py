@@ -31,3 +31,30 @@ def test_the_secret_has_256_bits_and_the_signature_is_ed25519s_64_bytes():
     assert len(secrets_) == 8 and all(len(s) >= 32 for s in secrets_)
     # the signature length is part of the protocol: servers refuse any other length
     assert len(tokens.sign(tokens.new_secret(), **FIELDS)) == tokens.TOKEN_BYTES == 64
+
+
+def test_a_key_is_built_once_per_secret_and_per_public_key_not_per_token(monkeypatch):
+    """The chief signs a token per hand-out and a server checks one per pushed task, on the hot path:
+    the Ed25519 key objects are kept, not rebuilt from their bytes for every token."""
+    built = []
+    real_private, real_public = tokens.Ed25519PrivateKey, tokens.Ed25519PublicKey
+
+    class Private:
+        @staticmethod
+        def from_private_bytes(seed):
+            built.append("private")
+            return real_private.from_private_bytes(seed)
+
+    class Public:
+        @staticmethod
+        def from_public_bytes(raw):
+            built.append("public")
+            return real_public.from_public_bytes(raw)
+
+    monkeypatch.setattr(tokens, "Ed25519PrivateKey", Private)
+    monkeypatch.setattr(tokens, "Ed25519PublicKey", Public)
+    secret = tokens.new_secret()                      # new: in no cache yet
+    key = tokens.public_key(secret)
+    toks = [tokens.sign(secret, **{**FIELDS, "task_id": i}) for i in range(5)]
+    assert all(tokens.verify(key, tok, **{**FIELDS, "task_id": i}) for i, tok in enumerate(toks))
+    assert built == ["private", "public"]
