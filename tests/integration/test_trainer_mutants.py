@@ -396,8 +396,9 @@ def test_batches_default_to_seed_0(cluster_factory):
 
 
 def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_factory):
-    """Written against ``skip_batch(self, batches: int = 2)`` / ``= 0``; planting showed it does NOT kill them
-    (issue 19 report): it still checks that the step after a skip names the batch it trained."""
+    """Mutants: ``skip_batch(self, batches: int = 2)`` and ``= 0`` (the step after a skip would name a batch
+    it did not train). The shards are looked up once the Trainer created them (before, the list was empty
+    and the ledger checks passed vacuously)."""
     from torch.utils.data import DataLoader, TensorDataset
     from shoal.worker import DistributedSampler
 
@@ -405,8 +406,9 @@ def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_facto
     model = mlp(0)
     x, y = data(SIZE)
     ds = TensorDataset(torch.arange(SIZE), x, y)
-    shards = [s for ps in c.servers for s in ps.host.shards.values()]
     with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        shards = [s for ps in c.servers for s in ps.host.shards.values()]
+        assert len(shards) == 2
         sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, shuffle=False, trainer=t)
         batches = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0))
         idx, _, _ = next(batches)
