@@ -606,3 +606,31 @@ def test_without_overlap_each_sync_step_pushes_against_the_version_it_pulled(clu
             one_step(t, model, x, y, samples=16)
             assert t.versions == {0: step}              # each step's gradient applied, in its own round
 
+
+
+def test_a_shard_init_call_that_fails_over_is_followed_not_raised(cluster_factory, monkeypatch):
+    """Mutant: ``except CosmicRayTestingException`` for ``except grpc.RpcError`` in _initialise_or_pull's init
+    loop (an init that hit a server going away would end the worker instead of following the view)."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        rerouted = []
+        monkeypatch.setattr(t.routes, "reroute", lambda shard, client, exc: rerouted.append((shard, exc.code())))
+        fail_once(monkeypatch, t, "_pull_shard",
+                  FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
+        calls = fail_once(monkeypatch, t._clients[0], "init",
+                          FakeRpcError(grpc.StatusCode.UNAVAILABLE, "going away (test)"))
+        t._initialise_or_pull()
+        assert rerouted == [(0, grpc.StatusCode.UNAVAILABLE)] and len(calls) == 2
+
+
+def test_zero_grad_clears_every_gradient_to_none(cluster_factory):
+    """Mutant: ``for p in []`` in zero_grad (the last step's gradients would stay, and autograd add the next
+    backward pass to them: every push after the first would carry the sum of all steps so far)."""
+    c = cluster_factory(1, mode="async")
+    model = mlp(0)
+    x, y = data(16)
+    with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False) as t:
+        one_step(t, model, x, y, samples=16)
+        assert all(p.grad is not None for p in model.parameters())
+        t.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
