@@ -464,3 +464,27 @@ def test_a_refusal_that_asks_for_no_copy_is_held_and_retried_not_answered_with_a
         "shard 0: backup ps-1 unreachable (FAILED_PRECONDITION); holding update 1 until it answers or the chief "
         "replaces it"]
     assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
+
+
+def test_a_new_backup_is_reached_at_its_address_with_this_servers_credential(monkeypatch):
+    """Mutant: ``open_channel(target[0], ...)`` (a channel to the backup's member id, not its address)."""
+    opened, closed = [], []
+
+    class Channel:
+        def close(self):
+            closed.append(True)
+
+    def open_channel(address, credential):
+        opened.append((address, credential()))
+        return Channel()
+
+    monkeypatch.setattr(replication, "open_channel", open_channel)
+    monkeypatch.setattr(replication, "DataStubs", lambda channel: object())
+    r = Replicator(0, lambda: "ps-0", lambda: None, retry_s=0.01, credential=lambda: "ps-0's credential")
+    try:
+        r.set_target("ps-1", "10.0.0.7:4000")
+        assert opened == [("10.0.0.7:4000", "ps-0's credential")]
+        r.set_target("", "")
+        assert closed == [True]
+    finally:
+        r.close()
