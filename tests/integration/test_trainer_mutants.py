@@ -634,3 +634,22 @@ def test_zero_grad_clears_every_gradient_to_none(cluster_factory):
         assert all(p.grad is not None for p in model.parameters())
         t.zero_grad()
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_skip_batch_after_close_hands_nothing_back(cluster_factory):
+    """Mutant: ``if not group and self._feed is None`` in skip_batch (a loop that skips a step after the
+    Trainer closed, its sampler still holding batches, would fail on the closed feed; close() already gave
+    the chief back every task this worker held)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from shoal.worker import DistributedSampler
+
+    c = cluster_factory(1, mode="async")
+    x, y = data(SIZE)
+    ds = TensorDataset(x, y)
+    t = Trainer(mlp(0), chief=c.chief_address, lr=0.1)
+    sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, trainer=t)
+    batches = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0))
+    next(batches)
+    t.close()
+    t.skip_batch()                                   # nothing to hand back to: quietly nothing
+    assert t._feed is None and t._group == ()
