@@ -653,3 +653,23 @@ def test_skip_batch_after_close_hands_nothing_back(cluster_factory):
     t.close()
     t.skip_batch()                                   # nothing to hand back to: quietly nothing
     assert t._feed is None and t._group == ()
+
+
+def test_without_a_push_window_every_shards_push_is_in_flight_at_once(cluster_factory, monkeypatch):
+    """Mutant: a shard pool of ``2 / shards + 1`` threads (two threads for four shards: the pushes would go
+    two at a time, where window 0 promises every push at once). Each push waits until all four have started."""
+    import threading
+
+    c = cluster_factory(2, mode="async", num_shards=4)
+    model = mlp(0)
+    x, y = data(16)
+    with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False, push_window=0) as t:
+        assert len(t._clients) == 4
+        together = threading.Barrier(4, timeout=10)
+        for client in t._clients.values():
+            def push(*a, _real=client.push, **kw):
+                together.wait()                 # BrokenBarrierError if the four are not in flight together
+                return _real(*a, **kw)
+            monkeypatch.setattr(client, "push", push)
+        one_step(t, model, x, y, samples=16)
+        assert t.step_count == 1 and not together.broken
