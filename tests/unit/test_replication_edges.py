@@ -488,3 +488,32 @@ def test_a_new_backup_is_reached_at_its_address_with_this_servers_credential(mon
         assert closed == [True]
     finally:
         r.close()
+
+
+RAN = []
+
+
+def _ran(what):
+    RAN.append(what)
+    return what
+
+
+class Payload:
+    """Pickles as a call of ``_ran``: what a copy from a rogue sender could carry instead of plain values."""
+
+    def __reduce__(self):
+        return (_ran, ("code from the copy",))
+
+
+def test_a_copy_is_loaded_as_plain_values_never_as_code():
+    """Mutant: ``torch.load(..., weights_only=False)`` in replica_from_bytes (a copy's bytes could run code
+    in the backup's process)."""
+    import io
+    import pickle
+
+    buf = io.BytesIO()
+    torch.save({"shard": Payload()}, buf)
+    RAN.clear()
+    with pytest.raises(pickle.UnpicklingError):
+        replication.replica_from_bytes(buf.getvalue())
+    assert RAN == []
