@@ -660,7 +660,7 @@ def test_without_a_push_window_every_shards_push_is_in_flight_at_once(cluster_fa
     two at a time, where window 0 promises every push at once). Each push waits until all four have started."""
     import threading
 
-    c = cluster_factory(2, mode="async", num_shards=4)
+    c = cluster_factory(4, mode="async")             # one shard a server (two servers for four shards took 3 s to start)
     model = mlp(0)
     x, y = data(16)
     with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False, push_window=0) as t:
