@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 FENCED = "primary is"          # in a backup's refusal: another ps is the primary now
 NEEDS_COPY = "needs a fresh copy"
 NO_BACKUP_WARN_S = 2.0         # how long a shard goes without a backup before that is a warning
+COPY_TIMEOUT_S = 120.0         # a whole copy may take this long at least (the replicator's timeout if longer)
 
 
 # ---------------------------------------------------------------- encoding
@@ -204,12 +205,7 @@ class Replicator:
         with self._lock:
             if target == self._target:
                 return
-            self._close_channels()
-            self._target, self._generation, self._pending = target, self._generation + 1, []
-            self._channel = open_channel(address, self._credential) if target else None
-            self._stubs = DataStubs(self._channel) if self._channel is not None else None
-            self._state = "installing" if target else "none"
-            gen = self._generation
+            gen = self._retarget(target)
         if target is None:
             # said once the loss lasts: at the end of a job the servers leave one after the other, and the
             # last one's shards lose their backup a moment before it stops too (no warning on a healthy run)
@@ -229,10 +225,17 @@ class Replicator:
     def close(self) -> None:
         self._stop.set()
         with self._lock:
-            self._generation += 1
-            self._close_channels()
-            self._channel = self._stubs = None
-            self._target, self._state = None, "none"
+            self._retarget(None)
+
+    def _retarget(self, target: tuple[str, str] | None) -> int:
+        """(lock held) Aims at ``target`` (None: no backup): the old backup's channels are closed, what was
+        on its way to it is dropped, and a new generation starts (returned): work of the old one stops."""
+        self._close_channels()
+        self._target, self._generation, self._pending = target, self._generation + 1, []
+        self._channel = open_channel(target[1], self._credential) if target else None
+        self._stubs = DataStubs(self._channel) if self._channel is not None else None
+        self._state = "installing" if target else "none"
+        return self._generation
 
     def _close_channels(self) -> None:
         """Closes the backup's channels (lock held); calls still on them fail and retry on the new ones."""
@@ -256,7 +259,7 @@ class Replicator:
                     raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
                                       f"was dropped while it was on its way to the backup")
                 gen, state, stubs = self._generation, self._state, self._stubs
-                if state == "none" or stubs is None:
+                if stubs is None:                   # no backup (state "none")
                     return
                 if state == "installing":
                     self._pending.append(u)
@@ -331,13 +334,18 @@ class Replicator:
         t0 = time.perf_counter()
         with shard.exclusive():
             replica = shard.export_replica()
+        version, size = self._send_copy(stubs, shard, replica)
+        log.warning("shard %d: backup %s had lost its copy; sent it a fresh one at version %d (%d bytes in "
+                    "%.2fs) before update %d", self.shard_id, self.backup, version, size,
+                    time.perf_counter() - t0, next_version)
+
+    def _send_copy(self, stubs: DataStubs, shard: Shard, replica: dict) -> tuple[int, int]:
+        """Sends ``replica`` (``shard.export_replica()``) to the backup whole: (its version, its size in bytes)."""
         version = replica["state"].version
         data = replica_bytes(replica)
         stubs.install(install_frames(self.shard_id, self._member_id(), version, shard.fingerprint, data,
-                                     self._chunk_bytes), timeout=max(self._timeout_s, 120.0))
-        log.warning("shard %d: backup %s had lost its copy; sent it a fresh one at version %d (%d bytes in "
-                    "%.2fs) before update %d", self.shard_id, self.backup, version, len(data),
-                    time.perf_counter() - t0, next_version)
+                                     self._chunk_bytes), timeout=max(self._timeout_s, COPY_TIMEOUT_S))
+        return version, len(data)
 
     # ------------------------------------------------------------ a full copy for a new backup
 
@@ -374,11 +382,8 @@ class Replicator:
                     return
                 self._pending = []
                 stubs = self._stubs
-        version = replica["state"].version
-        data = replica_bytes(replica)
         assert stubs is not None
-        stubs.install(install_frames(self.shard_id, self._member_id(), version, shard.fingerprint, data,
-                                     self._chunk_bytes), timeout=max(self._timeout_s, 120.0))
+        version, size = self._send_copy(stubs, shard, replica)
         for _ in range(3):                          # catch up outside the lock while training goes on
             with self._lock:
                 items, self._pending = self._pending, []
@@ -399,4 +404,4 @@ class Replicator:
                 self._state = "in_sync"
         self._on_in_sync()
         log.info("shard %d: backup %s in sync from version %d (%d bytes copied in %.2fs)", self.shard_id,
-                 self.backup, version, len(data), time.perf_counter() - t0)
+                 self.backup, version, size, time.perf_counter() - t0)

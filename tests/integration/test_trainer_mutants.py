@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import shoal.worker.trainer as trainer_mod
 from harness import FakeRpcError
-from shoal.errors import InvalidArgument, Unreachable
+from shoal.errors import InvalidArgument, Refused, Unreachable
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker import Trainer
 
@@ -165,8 +165,9 @@ def test_a_skipped_batch_goes_back_to_the_chief_and_is_trained_again(cluster_fac
 
 
 def test_request_stop_is_false_when_no_trainer_takes_batches_and_otherwise_ends_the_loop_with_exit_code_0(
-        cluster_factory):
-    """Mutants: ``if not feed is not None`` and ``for trainer in []`` in request_stop; ``SystemExit(-1)``."""
+        cluster_factory, caplog):
+    """Mutants: ``if not feed is not None`` and ``for trainer in []`` in request_stop; ``SystemExit(-1)``;
+    ``held and "none"`` in _hand_back's line (it would say "none" for the task it hands back)."""
     c = cluster_factory(2, mode="async")
     model = mlp(0)
     x, y = data(SIZE)
@@ -175,15 +176,20 @@ def test_request_stop_is_false_when_no_trainer_takes_batches_and_otherwise_ends_
     try:
         assert trainer_mod.request_stop() is False      # a live trainer, but outside batches()
         trainer_mod._STOP_REQUESTED.clear()
-        with pytest.raises(SystemExit) as stop:
+        held = []
+        with pytest.raises(SystemExit) as stop, caplog.at_level(logging.INFO, logger=trainer_mod.__name__):
             for xb, yb in t.batches((x, y), batch_size=BATCH, epochs=1):
                 one_step(t, model, xb, yb, samples=len(xb))
                 steps += 1
                 if steps == 2:
+                    held = sorted(t._progress)
                     assert trainer_mod.request_stop() is True
         assert stop.value.code == 0
         assert steps == 2                               # stopped at the next batch boundary
         assert t._closed
+        assert held                                     # the task it was on, named in the line that says it stops
+        [said] = [r.getMessage() for r in caplog.records if "stopping on request" in r.getMessage()]
+        assert f"handing back task(s) {held} and leaving the job" in said
     finally:
         trainer_mod._STOP_REQUESTED.clear()
         t.close()
@@ -396,8 +402,9 @@ def test_batches_default_to_seed_0(cluster_factory):
 
 
 def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_factory):
-    """Written against ``skip_batch(self, batches: int = 2)`` / ``= 0``; planting showed it does NOT kill them
-    (issue 19 report): it still checks that the step after a skip names the batch it trained."""
+    """Mutants: ``skip_batch(self, batches: int = 2)`` and ``= 0`` (the step after a skip would name a batch
+    it did not train). The shards are looked up once the Trainer created them (before, the list was empty
+    and the ledger checks passed vacuously)."""
     from torch.utils.data import DataLoader, TensorDataset
     from shoal.worker import DistributedSampler
 
@@ -405,8 +412,9 @@ def test_with_a_sampler_skip_batch_hands_back_one_batch_by_default(cluster_facto
     model = mlp(0)
     x, y = data(SIZE)
     ds = TensorDataset(torch.arange(SIZE), x, y)
-    shards = [s for ps in c.servers for s in ps.host.shards.values()]
     with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        shards = [s for ps in c.servers for s in ps.host.shards.values()]
+        assert len(shards) == 2
         sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, shuffle=False, trainer=t)
         batches = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0))
         idx, _, _ = next(batches)
@@ -430,18 +438,22 @@ def test_job_section_gives_the_train_section_as_written_and_the_optimizer_with_i
     assert Trainer.job_section("optimizer")["name"] == "adamw"
 
 
-def test_batches_without_epochs_or_a_job_file_go_through_the_data_once(cluster_factory, monkeypatch):
-    """Mutants: ``train.get("epochs", 0)`` and ``train.get("epochs", 2)`` in batches()."""
+def test_batches_without_epochs_or_a_job_file_go_through_the_data_once_in_tasks_of_four_batches(cluster_factory,
+                                                                                               monkeypatch):
+    """Mutants: ``train.get("epochs", 0)`` and ``train.get("epochs", 2)`` in batches(); ``batches_per_task: int = 3``
+    and ``= 5`` (another task size than the signature's default of four batches)."""
     monkeypatch.delenv("SHOAL_JOB_FILE", raising=False)
     c = cluster_factory(1, mode="async")
     model = mlp(0)
     x, y = data(SIZE)
     with Trainer(model, chief=c.chief_address, lr=0.1) as t:
-        epochs = set()
+        epochs, tasks = set(), set()
         for xb, yb in t.batches((x, y), batch_size=BATCH):
             epochs.add(t._batch.task.epoch)
+            tasks.add((t._batch.task.start, t._batch.task.stop))
             one_step(t, model, xb, yb, samples=len(xb))
         assert t.step_count == SIZE // BATCH and epochs == {0}
+        assert tasks == {(0, 4 * BATCH), (4 * BATCH, 8 * BATCH)}
 
 
 def test_close_twice_leaves_the_job_once(cluster_factory):
@@ -489,3 +501,175 @@ def test_failovers_is_a_count_starting_at_zero(cluster_factory):
     c = cluster_factory(1, mode="async")
     with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
         assert t.failovers == 0
+
+
+# ------------------------------------------------------------ added after the 2026-12-06 runs (issue 19)
+
+def test_a_worker_says_it_gives_up_joining_after_30_s_by_default(monkeypatch, caplog):
+    """Mutants: ``DEFAULT_CONNECT_TIMEOUT_S = 29.0`` / ``31.0`` (README: "retries joining for --connect-timeout
+    seconds (default 30, said when it starts)")."""
+    monkeypatch.delenv("SHOAL_CONNECT_TIMEOUT", raising=False)
+
+    def join(self):
+        raise Unreachable("no chief here (test)")
+
+    monkeypatch.setattr(trainer_mod.ChiefClient, "join", join)
+    with caplog.at_level(logging.INFO, logger=trainer_mod.__name__), pytest.raises(Unreachable):
+        Trainer(mlp(0), chief="127.0.0.1:1")
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("joining")] == [
+        "joining the chief at 127.0.0.1:1 (giving up after 30 s)"]
+
+
+@pytest.mark.parametrize("code,details,raised,message", [
+    (grpc.StatusCode.UNAVAILABLE, "connection refused (test)", Unreachable,
+     r"^cannot reach the chief at 127\.0\.0\.1:1: gave up after (\d+) s \(UNAVAILABLE\); is it running"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "", Unreachable,
+     r"^cannot reach the chief at 127\.0\.0\.1:1: gave up after (\d+) s \(DEADLINE_EXCEEDED\)"),
+    (grpc.StatusCode.FAILED_PRECONDITION, "0.weight: expected [16, 8] float32 (test)", Refused,
+     r"^the job refused this worker: 0\.weight: expected \[16, 8\] float32 \(test\)$"),
+    (grpc.StatusCode.INTERNAL, "boom (test)", grpc.RpcError, r"boom \(test\)"),
+], ids=["unavailable", "deadline", "refused", "other"])
+def test_a_join_the_chief_answers_with_an_error_is_one_clear_error(monkeypatch, code, details, raised, message):
+    """Mutants in _join's gRPC branch: ``time.monotonic() + t0`` in the retry codes' message (:211),
+    ``exc.details() and ""`` (the refusal without its reason), the branches' conditions negated."""
+    closed = []
+
+    def join(self):
+        raise FakeRpcError(code, details)
+
+    monkeypatch.setattr(trainer_mod.ChiefClient, "join", join)
+    real_close = trainer_mod.ChiefClient.close
+    monkeypatch.setattr(trainer_mod.ChiefClient, "close", lambda self: (closed.append(True), real_close(self)))
+    with pytest.raises(raised) as err:
+        Trainer(mlp(0), chief="127.0.0.1:1", connect_timeout_s=5)
+    if raised is grpc.RpcError:
+        assert type(err.value) is FakeRpcError and err.value.code() == code
+    else:
+        assert type(err.value) is raised
+    found = re.search(message, str(err.value))
+    assert found, str(err.value)
+    if found.groups():
+        assert int(found.group(1)) <= 30         # about no time at all, not a clock reading
+    assert closed                                # the chief's channel is not left open
+
+
+def test_a_shard_status_call_that_fails_over_is_followed_not_raised(cluster_factory, monkeypatch):
+    """Mutants: ``not is_failover(exc) or exc.code() != DEADLINE_EXCEEDED`` and ``if is_failover(exc) and ...``
+    in _follow_shards (a status call that hit a server going away would end the worker instead of following
+    the view). The view's wait is stood in for: ``reroute`` is recorded, and the call then answers."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            rerouted = []
+            monkeypatch.setattr(t.routes, "reroute", lambda shard, client, exc: rerouted.append((shard, exc.code())))
+            calls = fail_once(monkeypatch, t._clients[0], "status", FakeRpcError(code, "going away (test)"))
+            t._follow_shards()
+            assert rerouted == [(0, code)] and len(calls) == 2
+            monkeypatch.undo()
+
+
+def test_the_byte_counters_count_what_the_shard_clients_sent_and_received(cluster_factory, monkeypatch):
+    """Mutants: ``_count(self, pushed=0, pulled: int = 1)`` and ``= -1`` (each push would count a pulled byte)."""
+    c = cluster_factory(2, mode="async")
+    model = mlp(0)
+    x, y = data(16)
+    with Trainer(model, chief=c.chief_address, lr=0.1) as t:
+        moved = {"pushed": 0, "pulled": 0}
+        for client in t._clients.values():
+            def push(*a, _real=client.push, **kw):
+                reply, sent = _real(*a, **kw)
+                moved["pushed"] += sent
+                return reply, sent
+
+            def pull(*a, _real=client.pull, **kw):
+                version, got = _real(*a, **kw)
+                moved["pulled"] += got
+                return version, got
+            monkeypatch.setattr(client, "push", push)
+            monkeypatch.setattr(client, "pull", pull)
+        pushed, pulled = t.counters.bytes_pushed, t.counters.bytes_pulled
+        for _ in range(2):
+            one_step(t, model, x, y, samples=16)
+        assert moved["pushed"] > 0 and moved["pulled"] > 0
+        assert t.counters.bytes_pushed - pushed == moved["pushed"]
+        assert t.counters.bytes_pulled - pulled == moved["pulled"]
+
+
+def test_without_overlap_each_sync_step_pushes_against_the_version_it_pulled(cluster_factory):
+    """Mutant: ``versions = self._step_versions if not early else dict(self.versions)`` in step() (without
+    overlap every push would name the version the worker started from, and a sync round drops it as stale)."""
+    c = cluster_factory(1, mode="sync")
+    model = mlp(0)
+    x, y = data(16)
+    with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False) as t:
+        for step in range(1, 4):
+            one_step(t, model, x, y, samples=16)
+            assert t.versions == {0: step}              # each step's gradient applied, in its own round
+
+
+
+def test_a_shard_init_call_that_fails_over_is_followed_not_raised(cluster_factory, monkeypatch):
+    """Mutant: ``except CosmicRayTestingException`` for ``except grpc.RpcError`` in _initialise_or_pull's init
+    loop (an init that hit a server going away would end the worker instead of following the view)."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        rerouted = []
+        monkeypatch.setattr(t.routes, "reroute", lambda shard, client, exc: rerouted.append((shard, exc.code())))
+        fail_once(monkeypatch, t, "_pull_shard",
+                  FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 is not initialised (test)"))
+        calls = fail_once(monkeypatch, t._clients[0], "init",
+                          FakeRpcError(grpc.StatusCode.UNAVAILABLE, "going away (test)"))
+        t._initialise_or_pull()
+        assert rerouted == [(0, grpc.StatusCode.UNAVAILABLE)] and len(calls) == 2
+
+
+def test_zero_grad_clears_every_gradient_to_none(cluster_factory):
+    """Mutant: ``for p in []`` in zero_grad (the last step's gradients would stay, and autograd add the next
+    backward pass to them: every push after the first would carry the sum of all steps so far)."""
+    c = cluster_factory(1, mode="async")
+    model = mlp(0)
+    x, y = data(16)
+    with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False) as t:
+        one_step(t, model, x, y, samples=16)
+        assert all(p.grad is not None for p in model.parameters())
+        t.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_skip_batch_after_close_hands_nothing_back(cluster_factory):
+    """Mutant: ``if not group and self._feed is None`` in skip_batch (a loop that skips a step after the
+    Trainer closed, its sampler still holding batches, would fail on the closed feed; close() already gave
+    the chief back every task this worker held)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from shoal.worker import DistributedSampler
+
+    c = cluster_factory(1, mode="async")
+    x, y = data(SIZE)
+    ds = TensorDataset(x, y)
+    t = Trainer(mlp(0), chief=c.chief_address, lr=0.1)
+    sampler = DistributedSampler(ds, batch_size=BATCH, epochs=1, trainer=t)
+    batches = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=0))
+    next(batches)
+    t.close()
+    t.skip_batch()                                   # nothing to hand back to: quietly nothing
+    assert t._feed is None and t._group == ()
+
+
+def test_without_a_push_window_every_shards_push_is_in_flight_at_once(cluster_factory, monkeypatch):
+    """Mutant: a shard pool of ``2 / shards + 1`` threads (two threads for four shards: the pushes would go
+    two at a time, where window 0 promises every push at once). Each push waits until all four have started."""
+    import threading
+
+    c = cluster_factory(4, mode="async")             # one shard a server (two servers for four shards took 3 s to start)
+    model = mlp(0)
+    x, y = data(16)
+    with Trainer(model, chief=c.chief_address, lr=0.1, overlap=False, push_window=0) as t:
+        assert len(t._clients) == 4
+        together = threading.Barrier(4, timeout=10)
+        for client in t._clients.values():
+            def push(*a, _real=client.push, **kw):
+                together.wait()                 # BrokenBarrierError if the four are not in flight together
+                return _real(*a, **kw)
+            monkeypatch.setattr(client, "push", push)
+        one_step(t, model, x, y, samples=16)
+        assert t.step_count == 1 and not together.broken

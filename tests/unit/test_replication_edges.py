@@ -412,3 +412,108 @@ def test_an_install_stream_without_a_frame_is_a_sender_that_gave_up_not_a_bad_co
     from shoal.ps.replication import NoInstall
     with pytest.raises(NoInstall, match="before its first part"):
         install_from_frames(iter([]))
+
+
+# ---------------------------------------------------------------- found by the 2026-12-06 run (issue 19)
+
+def test_a_replicator_says_no_transport_before_it_has_asked_a_backup():
+    """Mutant: ``self._negotiated = True`` at start (it would say "grpc" before any backup was asked)."""
+    r = Replicator(0, lambda: "ps-0", lambda: None)
+    try:
+        assert r.transport == ""
+    finally:
+        r.close()
+
+
+def test_an_overlong_copy_is_refused_at_the_chunk_that_overflows_without_reading_on():
+    """Mutant: ``covered - len(payload) > first.total_bytes`` (the buffer would grow past the size the
+    copy announced, and the rest of the stream be read, before the final count refuses it)."""
+    data = bytes(range(200))
+    ours = list(install_frames(1, "ps-0", 5, "fp", data, chunk_bytes=64))      # 64, 64, 64, 8
+    head, _ = frames.unpack(ours[3], pb.InstallHeader)
+    overlong = frames.pack(head, bytes(64))                                    # [192, 256) of 200
+    read = []
+
+    def stream():
+        for i, f in enumerate([*ours[:3], overlong, ours[3]]):
+            read.append(i)
+            yield f
+
+    with pytest.raises(ValueError, match="install chunk at 192 does not continue at 192"):
+        install_from_frames(stream())
+    assert read == [0, 1, 2, 3]
+
+
+def test_a_refusal_that_asks_for_no_copy_is_held_and_retried_not_answered_with_a_copy(pair, caplog):
+    """Mutant: ``exc.code() == FAILED_PRECONDITION or NEEDS_COPY in details`` (any FAILED_PRECONDITION,
+    fenced aside, would send the backup a whole copy under the shard's lock)."""
+    primary, backup, stubs, make = pair
+    make()
+    answers = [Refusal(FailedPrecondition("shard 0 is not initialised yet"))]
+
+    def refused_once():
+        if answers:
+            raise answers.pop(0)
+
+    stubs.before_call = refused_once
+    installs = stubs.installs
+    with caplog.at_level(logging.WARNING, logger="shoal.ps.replication"):
+        assert primary.push("a", 0, torch.ones(6), key="k1").accepted
+    assert stubs.installs == installs                     # no copy: the update was sent again as it was
+    assert [r.getMessage() for r in caplog.records] == [
+        "shard 0: backup ps-1 unreachable (FAILED_PRECONDITION); holding update 1 until it answers or the chief "
+        "replaces it"]
+    assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
+
+
+def test_a_new_backup_is_reached_at_its_address_with_this_servers_credential(monkeypatch):
+    """Mutant: ``open_channel(target[0], ...)`` (a channel to the backup's member id, not its address)."""
+    opened, closed = [], []
+
+    class Channel:
+        def close(self):
+            closed.append(True)
+
+    def open_channel(address, credential):
+        opened.append((address, credential()))
+        return Channel()
+
+    monkeypatch.setattr(replication, "open_channel", open_channel)
+    monkeypatch.setattr(replication, "DataStubs", lambda channel: object())
+    r = Replicator(0, lambda: "ps-0", lambda: None, retry_s=0.01, credential=lambda: "ps-0's credential")
+    try:
+        r.set_target("ps-1", "10.0.0.7:4000")
+        assert opened == [("10.0.0.7:4000", "ps-0's credential")]
+        r.set_target("", "")
+        assert closed == [True]
+    finally:
+        r.close()
+
+
+RAN = []
+
+
+def _ran(what):
+    RAN.append(what)
+    return what
+
+
+class Payload:
+    """Pickles as a call of ``_ran``: what a copy from a rogue sender could carry instead of plain values."""
+
+    def __reduce__(self):
+        return (_ran, ("code from the copy",))
+
+
+def test_a_copy_is_loaded_as_plain_values_never_as_code():
+    """Mutant: ``torch.load(..., weights_only=False)`` in replica_from_bytes (a copy's bytes could run code
+    in the backup's process)."""
+    import io
+    import pickle
+
+    buf = io.BytesIO()
+    torch.save({"shard": Payload()}, buf)
+    RAN.clear()
+    with pytest.raises(pickle.UnpicklingError):
+        replication.replica_from_bytes(buf.getvalue())
+    assert RAN == []
