@@ -5,9 +5,7 @@ no parameter servers): one gRPC channel of its own (so one connection, as a real
 ``Join`` as a worker, a heartbeat every lease/4 with counters, task progress and a step time (as
 ``ChiefClient._heartbeat_loop`` sends; on a ``KeepAlive`` stream, or as single calls when the sixth
 argument says ``unary``), ``GetTasks`` every ``task_period`` seconds reporting the
-finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``; on a ``Tasks``
-stream, or single calls with ``unary`` or when the seventh argument says ``unary``: a chief without
-it), and a view watch:
+finished task and the ids it holds (as ``TaskFeed`` does with ``reports_held``), and a view watch:
 a ``Watch`` stream, or (``unary``) one that long-polls
 ``GetView(after_epoch, timeout WATCH_S, member_id, scope)`` and re-opens at once (as
 ``ChiefClient._watch_loop``; the scope is ROUTING, as a worker's, unless the fifth argument says
@@ -56,11 +54,10 @@ class Recorder:
 
 class FakeWorker:
     def __init__(self, address: str, rec: Recorder, dataset: pb.DatasetSpec, task_period_s: float, scope: int,
-                 stream: bool = True, tasks_stream: bool = True):
+                 stream: bool = True):
         self.scope = scope
         self.stream = stream            # heartbeats and the view on streams (as ChiefClient), else calls and polls
-        self._streams: dict[str, object] = {}       # KeepAlive, Tasks: open streams (as ChiefClient, TaskFeed)
-        self._no_stream: set[str] = set() if tasks_stream else {"Tasks"}    # single calls instead
+        self._beats = None
         # A subchannel pool of its own: otherwise gRPC shares one connection among every channel of a
         # process with the same target and arguments, and a fleet process's members all talk to the chief
         # over one connection, where real members (one a host) have one each.
@@ -105,35 +102,24 @@ class FakeWorker:
             await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
 
     async def beat(self, req: pb.HeartbeatRequest, timeout_s: float) -> pb.HeartbeatReply:
-        """One heartbeat: on the member's KeepAlive stream, or a single call."""
-        if not self.stream or "KeepAlive" in self._no_stream:
+        """One heartbeat: on the member's KeepAlive stream (opened afresh after a failure, as
+        shoal.keepalive does), or a single call."""
+        if not self.stream:
             return await self.stub.Heartbeat(req, timeout=timeout_s)
-        return await self.on_stream("KeepAlive", req, timeout_s)
-
-    async def ask_tasks(self, req: pb.TaskRequest, timeout_s: float) -> pb.TaskReply:
-        """One task request: on the worker's Tasks stream, or a single GetTasks call."""
-        if not self.stream or "Tasks" in self._no_stream:
-            return await self.stub.GetTasks(req, timeout=timeout_s)
-        return await self.on_stream("Tasks", req, timeout_s)
-
-    async def on_stream(self, name: str, req, timeout_s: float):
-        """``req`` on the member's ``name`` stream, opened afresh after a failure (as shoal.keepalive
-        does), its answer within ``timeout_s``."""
-        call = self._streams.get(name)
-        if call is None:
-            call = self._streams[name] = getattr(self.stub, name)()
+        if self._beats is None:
+            self._beats = self.stub.KeepAlive()
         try:
-            await call.write(req)
-            reply = await asyncio.wait_for(call.read(), timeout_s)
+            await self._beats.write(req)
+            reply = await asyncio.wait_for(self._beats.read(), timeout_s)
         except (grpc.RpcError, TimeoutError, asyncio.InvalidStateError) as exc:
-            call.cancel()
-            self._streams.pop(name, None)
+            self._beats.cancel()
+            self._beats = None
             if isinstance(exc, grpc.RpcError):
                 raise
             raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, None, None, "no answer on the stream") \
                 from exc
         if reply is grpc.aio.EOF:
-            self._streams.pop(name, None)
+            self._beats = None
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the chief ended the stream")
         return reply
 
@@ -145,7 +131,7 @@ class FakeWorker:
                                  done_task_ids=done, held_task_ids=done, reports_held=True)
             t0 = time.perf_counter()
             try:
-                reply = await self.ask_tasks(req, max(1.0, self.lease_s))
+                reply = await self.stub.GetTasks(req, timeout=max(1.0, self.lease_s))
                 if self.rec.measuring:
                     self.rec.tasks_ms.append(1e3 * (time.perf_counter() - t0))
                 self.held = [t.task_id for t in reply.tasks]
@@ -188,11 +174,10 @@ class FakeWorker:
                 self.rec.views += 1
 
 
-async def run(address: str, n: int, task_period_s: float, dataset_size: int, scope: int, stream: bool,
-              tasks_stream: bool) -> None:
+async def run(address: str, n: int, task_period_s: float, dataset_size: int, scope: int, stream: bool) -> None:
     rec = Recorder()
     dataset = pb.DatasetSpec(size=dataset_size, batch_size=1, epochs=1000, batches_per_task=1)
-    workers = [FakeWorker(address, rec, dataset, task_period_s, scope, stream, tasks_stream) for _ in range(n)]
+    workers = [FakeWorker(address, rec, dataset, task_period_s, scope, stream) for _ in range(n)]
     gate = asyncio.Semaphore(JOIN_CONCURRENCY)
 
     async def join(w: FakeWorker) -> None:
@@ -228,8 +213,7 @@ def main() -> None:
     address, n, task_period_s, dataset_size = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     scope = pb.ViewScope.Value(sys.argv[5].upper()) if len(sys.argv) > 5 else pb.ROUTING
     stream = (sys.argv[6] if len(sys.argv) > 6 else "stream") == "stream"
-    tasks_stream = (sys.argv[7] if len(sys.argv) > 7 else "stream") == "stream"
-    asyncio.run(run(address, n, task_period_s, dataset_size, scope, stream, tasks_stream))
+    asyncio.run(run(address, n, task_period_s, dataset_size, scope, stream))
 
 
 if __name__ == "__main__":

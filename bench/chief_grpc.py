@@ -141,9 +141,9 @@ class Fleet:
     """One fake-worker process (bench/_fleet.py) and a thread reading its lines."""
 
     def __init__(self, address: str, n: int, task_period_s: float, dataset_size: int, log, scope: str,
-                 heartbeats: str, tasks: str) -> None:
+                 heartbeats: str) -> None:
         self.proc = subprocess.Popen([sys.executable, str(HERE / "_fleet.py"), address, str(n), str(task_period_s),
-                                      str(dataset_size), scope, heartbeats, tasks], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      str(dataset_size), scope, heartbeats], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -188,7 +188,7 @@ def run_case(n: int, args) -> dict:
         log = open(tmp / "fleet.log", "w")
         per = [n // args.procs + (1 if i < n % args.procs else 0) for i in range(args.procs)]
         t_join = time.monotonic()
-        fleets = [Fleet(address, k, args.task_period, 100 * n, log, args.scope, args.heartbeats, args.tasks) for k in per if k]
+        fleets = [Fleet(address, k, args.task_period, 100 * n, log, args.scope, args.heartbeats) for k in per if k]
         wait_until(lambda: all(f.ready for f in fleets) or any(f.proc.poll() is not None for f in fleets),
                    120 + n / 5, "fleet joined")
         if not all(f.ready for f in fleets):
@@ -281,7 +281,7 @@ def run_case(n: int, args) -> dict:
             errors[k] = errors.get(k, 0) + v
     lasts = [p["last_ms"] for p in props if p["last_ms"] is not None]
     return {
-        "workers": n, "procs": len(fleets), "scope": args.scope, "trigger": args.trigger, "heartbeats": args.heartbeats, "tasks": args.tasks,
+        "workers": n, "procs": len(fleets), "scope": args.scope, "trigger": args.trigger, "heartbeats": args.heartbeats,
         "chief_tree": str(args.chief_tree or ""), "window_s": round(wall, 1), "join_all_s": round(join_s, 1),
         "heartbeat_ms": percentiles([x for r in results for x in r["heartbeat_ms"]]),
         "get_tasks_ms": percentiles([x for r in results for x in r["tasks_ms"]]),
@@ -349,12 +349,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after the last join before measuring")
     ap.add_argument("--task-period", type=float, default=5.0, help="seconds between a fake worker's GetTasks")
     ap.add_argument("--heartbeats", choices=("stream", "unary"), default="stream",
-                    help="fake workers heartbeat, ask for tasks and watch the view on streams (KeepAlive, "
-                         "Tasks, Watch), as members do; or with single calls and long polls, as before them "
-                         "(and for a chief tree without them)")
-    ap.add_argument("--tasks", choices=("stream", "unary"), default="stream",
-                    help="with --heartbeats stream: task requests on a Tasks stream, or single GetTasks calls "
-                         "(a chief tree from before Tasks)")
+                    help="fake workers heartbeat and watch the view on streams (KeepAlive, Watch), as members "
+                         "do; or with single calls and long polls, as before them (and for a chief tree "
+                         "without them)")
     ap.add_argument("--scope", choices=("routing", "full"), default="routing",
                     help="what the fake workers watch: routing (as a worker since issue 17's routing views) or "
                          "full (every member, as before)")

@@ -39,7 +39,6 @@ SERVICE = "shoal.Chief"
 REQUESTS = {"Join": pb.JoinRequest, "Heartbeat": pb.HeartbeatRequest, "Leave": pb.LeaveRequest,
             "GetView": pb.ViewRequest, "GetTasks": pb.TaskRequest, "ReportMetrics": pb.MetricsReport,
             "GetJobStats": pb.Empty, "ReportUnreachable": pb.UnreachableReport}
-STREAMS = {"KeepAlive": "Heartbeat", "Tasks": "GetTasks"}     # a stream of each call, for members
 OFF_LOOP = frozenset({"ReportUnreachable"})      # may block (a probe of up to a second)
 # gRPC's overload protection (on whenever grpc.max_concurrent_streams is set, as shoal.rpc sets it)
 # refuses new calls (UNAVAILABLE, "RST_STREAM with error code 7") while more than that many have
@@ -169,10 +168,9 @@ class AsyncChief:
         methods["Watch"] = grpc.unary_stream_rpc_method_handler(
             self._watch, request_deserializer=_safe(pb.ViewRequest.FromString),
             response_serializer=_bytes_or_serialized)
-        for stream, unary in STREAMS.items():
-            methods[stream] = grpc.stream_stream_rpc_method_handler(
-                self._calls_on_stream(stream, unary), request_deserializer=_safe(REQUESTS[unary].FromString),
-                response_serializer=_bytes_or_serialized)
+        methods["KeepAlive"] = grpc.stream_stream_rpc_method_handler(
+            self._keepalive, request_deserializer=_safe(pb.HeartbeatRequest.FromString),
+            response_serializer=_bytes_or_serialized)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
     def _refused_token(self, method: str, context) -> None:
@@ -230,38 +228,32 @@ class AsyncChief:
             if wait > 0:
                 await asyncio.sleep(wait)
 
-    def _calls_on_stream(self, stream: str, unary: str):
-        """``stream`` (KeepAlive, Tasks): each request answered as the ``unary`` call answers it, in order,
-        and counted in the metrics as that call. The job token is checked once, when the stream opens;
-        an undecodable request or a refused one ends the stream with its error, as the call would."""
-        method, name = getattr(self.servicer, unary), f"/{SERVICE}/{stream}"
-        off_loop = unary in OFF_LOOP
-
-        async def answer_each(requests, context):
-            shim = _SyncContext(context)
-            try:
-                self._refused_token(name, context)
-                async for request in requests:
-                    started, code = time.perf_counter(), "OK"
-                    try:
-                        if isinstance(request, _Undecodable):
-                            auth.REFUSALS.warning("invalid", "refused %s from %s: %s", name, context.peer(),
-                                                  request.text)
-                            raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.text)
-                        reply = await self.loop.run_in_executor(None, method, request, shim) if off_loop \
-                            else method(request, shim)
-                    except _Aborted as a:
-                        code = a.code.name
-                        raise
-                    except Exception:
-                        code = "UNKNOWN"
-                        raise
-                    finally:
-                        observe_rpc(unary, code, started)
-                    yield reply
-            except _Aborted as a:
-                await context.abort(a.code, a.details)
-        return answer_each
+    async def _keepalive(self, requests, context):
+        """Heartbeats on one stream, each answered as ``Heartbeat`` answers it, in order, and counted in
+        the metrics as a ``Heartbeat`` call. The job token is checked once, when the stream opens; an
+        undecodable request or a refused heartbeat ends the stream with its error, as the call would."""
+        heartbeat, shim = self.servicer.Heartbeat, _SyncContext(context)
+        try:
+            self._refused_token(f"/{SERVICE}/KeepAlive", context)
+            async for request in requests:
+                started, code = time.perf_counter(), "OK"
+                try:
+                    if isinstance(request, _Undecodable):
+                        auth.REFUSALS.warning("invalid", "refused /%s/KeepAlive from %s: %s", SERVICE,
+                                              context.peer(), request.text)
+                        raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.text)
+                    reply = heartbeat(request, shim)
+                except _Aborted as a:
+                    code = a.code.name
+                    raise
+                except Exception:
+                    code = "UNKNOWN"
+                    raise
+                finally:
+                    observe_rpc("Heartbeat", code, started)
+                yield reply
+        except _Aborted as a:
+            await context.abort(a.code, a.details)
 
     def _guarded(self, name: str, behaviour):
         method = f"/{SERVICE}/{name}"

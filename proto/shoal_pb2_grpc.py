@@ -69,11 +69,6 @@ class ChiefStub:
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.TaskRequest.SerializeToString,
                 response_deserializer=shoal_dot_proto_dot_shoal__pb2.TaskReply.FromString,
                 _registered_method=True)
-        self.Tasks = channel.stream_stream(
-                '/shoal.Chief/Tasks',
-                request_serializer=shoal_dot_proto_dot_shoal__pb2.TaskRequest.SerializeToString,
-                response_deserializer=shoal_dot_proto_dot_shoal__pb2.TaskReply.FromString,
-                _registered_method=True)
         self.ReportMetrics = channel.unary_unary(
                 '/shoal.Chief/ReportMetrics',
                 request_serializer=shoal_dot_proto_dot_shoal__pb2.MetricsReport.SerializeToString,
@@ -142,16 +137,6 @@ class ChiefServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Tasks(self, request_iterator, context):
-        """The same requests on one stream a worker keeps open, a reply per request in order, each as
-        GetTasks answers it; an error ends the stream with GetTasks' code. grpc.aio takes up one new call
-        per turn of its event loop, so at a thousand workers single GetTasks calls queued for seconds
-        (bench/RESULTS.md). A worker falls back to GetTasks on UNIMPLEMENTED.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ReportMetrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -205,11 +190,6 @@ def add_ChiefServicer_to_server(servicer, server):
             ),
             'GetTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTasks,
-                    request_deserializer=shoal_dot_proto_dot_shoal__pb2.TaskRequest.FromString,
-                    response_serializer=shoal_dot_proto_dot_shoal__pb2.TaskReply.SerializeToString,
-            ),
-            'Tasks': grpc.stream_stream_rpc_method_handler(
-                    servicer.Tasks,
                     request_deserializer=shoal_dot_proto_dot_shoal__pb2.TaskRequest.FromString,
                     response_serializer=shoal_dot_proto_dot_shoal__pb2.TaskReply.SerializeToString,
             ),
@@ -416,33 +396,6 @@ class Chief:
             request,
             target,
             '/shoal.Chief/GetTasks',
-            shoal_dot_proto_dot_shoal__pb2.TaskRequest.SerializeToString,
-            shoal_dot_proto_dot_shoal__pb2.TaskReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Tasks(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/shoal.Chief/Tasks',
             shoal_dot_proto_dot_shoal__pb2.TaskRequest.SerializeToString,
             shoal_dot_proto_dot_shoal__pb2.TaskReply.FromString,
             options,

@@ -19,7 +19,6 @@ from shoal import convert
 from shoal.dataset import DatasetSpec, Task
 from shoal.proto import shoal_pb2 as pb
 from shoal.errors import Unreachable
-from shoal.keepalive import CallStream
 from shoal.rpc import RETRYABLE, with_retries
 
 log = logging.getLogger(__name__)
@@ -34,8 +33,7 @@ class TaskFeed:
     def __init__(self, stub, member_id: Callable[[], str], spec: DatasetSpec, prefetch: int = 2,
                  poll_s: float = 0.05, rejoin: Callable[[], object] | None = None, wait_s: float = 120.0,
                  chief: str = "", call_timeout_s: Callable[[], float] = lambda: 10.0):
-        # requests on one Tasks stream where the stub has it (a chief's), else GetTasks calls
-        self._calls = CallStream(lambda: stub, "Tasks", "GetTasks", use_stream=hasattr(stub, "Tasks"))
+        self._stub = stub
         self._member_id = member_id
         self._spec = convert.dataset_to_pb(spec)
         self._prefetch = max(1, prefetch)
@@ -99,13 +97,8 @@ class TaskFeed:
 
     def _get_tasks(self, req: pb.TaskRequest) -> pb.TaskReply:
         t0 = time.monotonic()
-
-        def ask() -> pb.TaskReply:
-            if self._stop.is_set() and self._calls.closed:     # close() gave up waiting for this request
-                raise RuntimeError("the task feed is closed")
-            return self._calls.call(req, self._call_timeout_s())
         try:
-            return with_retries(ask, "get tasks from chief",
+            return with_retries(lambda: self._stub.GetTasks(req, timeout=self._call_timeout_s()), "get tasks from chief",
                                 deadline_s=self._wait_s)
         except grpc.RpcError as exc:
             if exc.code() not in RETRYABLE:
@@ -227,8 +220,7 @@ class TaskFeed:
     def close(self) -> None:
         self._stop.set()
         self._space.release()
-        self._thread.join(timeout=5)   # a request under way is finished (it may report done tasks)
-        self._calls.close()
+        self._thread.join(timeout=5)
 
     def __iter__(self) -> Iterator[tuple[Task, bytes]]:
         """Yields ``(task, token)``; ends when the whole job's data is done."""

@@ -70,7 +70,7 @@ def test_a_member_keeps_its_lease_on_the_stream_and_close_ends_it_quietly(caplog
         with caplog.at_level(logging.WARNING, logger="shoal"):
             client.close()
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
-        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "keepalive-stream" and t.is_alive()],
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "heartbeat-stream" and t.is_alive()],
                    timeout_s=5, what="the stream's reader to end")
     finally:
         client.close()
@@ -291,104 +291,3 @@ def test_a_stranger_gets_the_refusals_of_getview_on_the_stream(chief):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Watch(pb.ViewRequest(after_epoch=-1, scope=7), timeout=5))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-
-
-# ---------------------------------------------------------------- task requests on a Tasks stream
-
-def tasks_counted(code: str = "OK") -> float:
-    return REGISTRY.get_sample_value("shoal_rpc_duration_seconds_count", {"method": "GetTasks", "code": code}) or 0.0
-
-
-def test_task_requests_on_one_stream_are_answered_in_order_as_gettasks_answers_them(chief):
-    import queue
-    server, stub, _ = chief
-    w = stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5).member_id
-    spec = pb.DatasetSpec(size=64, batch_size=8, epochs=1, batches_per_task=2)      # 4 tasks
-    before = tasks_counted()
-    asks: queue.SimpleQueue = queue.SimpleQueue()
-    call = stub.Tasks(iter(asks.get, None), timeout=10)
-    asks.put(pb.TaskRequest(member_id=w, dataset=spec, max_tasks=1))
-    got, replies = [], []
-    for reply in call:                       # each request reports the task the one before it got
-        replies.append(reply)
-        got += [t.task_id for t in reply.tasks]
-        if reply.finished:
-            asks.put(None)
-            continue
-        asks.put(pb.TaskRequest(member_id=w, max_tasks=1, done_task_ids=[t.task_id for t in reply.tasks]))
-    assert sorted(got) == [0, 1, 2, 3] and [len(r.tasks) for r in replies] == [1, 1, 1, 1, 0]
-    assert replies[-1].finished and all(r.tasks[0].token for r in replies[:4])
-    assert server.state.tasks.done_count == 4
-    assert tasks_counted() - before == 5                         # each counted as a GetTasks call
-
-
-def test_a_task_request_the_call_would_refuse_ends_the_stream_with_its_code(chief):
-    server, stub, channel = chief
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Tasks(iter([pb.TaskRequest(member_id="worker-99", max_tasks=1)]), timeout=5))
-    assert err.value.code() is grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as err:
-        list(channel.stream_stream("/shoal.Chief/Tasks")(iter([b"\xff\xff\xff\xff"]), timeout=5))
-    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    auth.use_token(TOKEN)
-    try:
-        guarded = ChiefServer(JobConfig(num_shards=1), bind="127.0.0.1:0").start()
-    finally:
-        auth.reset()
-    try:
-        with grpc.insecure_channel(guarded.address) as bare:
-            with pytest.raises(grpc.RpcError) as err:
-                list(pb_grpc.ChiefStub(bare).Tasks(iter([pb.TaskRequest(member_id="w")]), timeout=5))
-            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        guarded.stop(grace_s=0.1)
-
-
-@pytest.mark.parametrize("has_stream", [True, False])
-def test_a_task_feed_asks_on_one_stream_and_a_chief_without_it_gets_gettasks_calls(chief, monkeypatch, has_stream):
-    from shoal.dataset import DatasetSpec
-    from shoal.worker.data import TaskFeed
-    server, stub, _ = chief
-    w = stub.Join(pb.JoinRequest(role=pb.WORKER, layout=LAYOUT), timeout=5).member_id
-    streams, calls = [], []
-
-    class Counting:                     # the chief's stub, counting the calls the feed makes
-        def __getattr__(self, name):
-            def counted(*args, **kwargs):
-                (streams if name == "Tasks" else calls).append(name)
-                if name == "Tasks" and not has_stream:
-                    return _unimplemented_stream()
-                return getattr(stub, name)(*args, **kwargs)
-            return counted
-    feed = TaskFeed(Counting(), lambda: w, DatasetSpec(size=64, batch_size=8, epochs=1, batches_per_task=2),
-                    prefetch=1, poll_s=0.01)
-    try:
-        seen = []
-        for task, _ in feed:
-            seen.append(task.task_id)
-            feed.mark_done(task)
-        assert sorted(seen) == [0, 1, 2, 3] and server.state.tasks.finished
-        if has_stream:
-            assert streams == ["Tasks"] and not calls                 # one stream for every request
-        else:
-            assert streams == ["Tasks"] and len(calls) >= 5 and set(calls) == {"GetTasks"}
-    finally:
-        feed.close()
-
-
-class _unimplemented_stream:
-    """What a chief without ``Tasks`` answers: the stream fails UNIMPLEMENTED."""
-
-    def __iter__(self):
-        raise _Unimplemented()
-
-    def cancel(self):
-        pass
-
-
-class _Unimplemented(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNIMPLEMENTED
-
-    def details(self):
-        return "Method not found!"
