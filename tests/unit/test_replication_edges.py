@@ -352,17 +352,21 @@ def test_updates_made_while_a_new_backup_is_filled_all_reach_it_before_it_counts
         backup.close()
 
 
+def refuse_first(stubs, *refusals) -> None:
+    """The backup's next calls fail with ``refusals``, one each in order; later calls go through."""
+    answers = list(refusals)
+
+    def refuse():
+        if answers:
+            raise answers.pop(0)
+    stubs.before_call = refuse
+
+
 def test_a_backup_that_lost_its_copy_gets_one_fresh_copy_even_when_the_update_after_it_is_retried(pair, caplog):
     primary, backup, stubs, make = pair
     make()
-    answers = [Refusal(FailedPrecondition(f"no copy of shard 0 here: {NEEDS_COPY}")),
-               Refusal(Unavailable("connection reset"))]
-
-    def lost_then_flaky():
-        if answers:
-            raise answers.pop(0)
-
-    stubs.before_call = lost_then_flaky
+    refuse_first(stubs, Refusal(FailedPrecondition(f"no copy of shard 0 here: {NEEDS_COPY}")),
+                 Refusal(Unavailable("connection reset")))
     installs = stubs.installs
     with caplog.at_level(logging.WARNING, logger="shoal.ps.replication"):
         assert primary.push("a", 0, torch.ones(6), key="k1").accepted
@@ -449,13 +453,7 @@ def test_a_refusal_that_asks_for_no_copy_is_held_and_retried_not_answered_with_a
     fenced aside, would send the backup a whole copy under the shard's lock)."""
     primary, backup, stubs, make = pair
     make()
-    answers = [Refusal(FailedPrecondition("shard 0 is not initialised yet"))]
-
-    def refused_once():
-        if answers:
-            raise answers.pop(0)
-
-    stubs.before_call = refused_once
+    refuse_first(stubs, Refusal(FailedPrecondition("shard 0 is not initialised yet")))
     installs = stubs.installs
     with caplog.at_level(logging.WARNING, logger="shoal.ps.replication"):
         assert primary.push("a", 0, torch.ones(6), key="k1").accepted
