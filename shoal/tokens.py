@@ -26,13 +26,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 TOKEN_BYTES = 64          # an Ed25519 signature
 KEY_BYTES = 32            # an Ed25519 public key
 TASK, CREDENTIAL = b"task", b"credential"
+KEYS_KEPT = 8             # key objects each cache keeps: a process signs for one job and checks one chief's key
 
 
 def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=KEYS_KEPT)
 def _signing_key(secret: bytes) -> Ed25519PrivateKey:
     seed = hmac.new(secret, b"shoal signing key v2", hashlib.sha256).digest()
     return Ed25519PrivateKey.from_private_bytes(seed)
@@ -43,7 +44,7 @@ def public_key(secret: bytes) -> bytes:
     return _signing_key(secret).public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=KEYS_KEPT)
 def _verifying_key(key: bytes) -> Ed25519PublicKey:
     return Ed25519PublicKey.from_public_bytes(key)
 

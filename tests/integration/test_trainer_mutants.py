@@ -568,6 +568,26 @@ def test_a_shard_status_call_that_fails_over_is_followed_not_raised(cluster_fact
             monkeypatch.undo()
 
 
+def test_a_shard_status_call_waits_two_leases_and_at_least_a_second(cluster_factory, monkeypatch):
+    """Mutants of ``max(1.0, 2 * lease)`` in _follow_shards: ``2.0``, ``0.0``, ``3 *``, ``1 *``, ``2 / lease``.
+    docs/architecture.md: a status call to a server that stopped answering outlasts a failover (a lease)
+    before the worker follows the view, and never gives up in under a second on a short lease."""
+    c = cluster_factory(1, mode="async")
+    with Trainer(mlp(0), chief=c.chief_address, lr=0.1) as t:
+        client = t._clients[0]
+        for lease, deadline in ((0.3, 1.0), (2.5, 5.0)):
+            asked = []
+
+            def status(timeout_s=10, _real=client.status):
+                asked.append(timeout_s)
+                return _real(timeout_s=timeout_s)
+            monkeypatch.setattr(client, "status", status)
+            monkeypatch.setattr(t.chief, "lease_seconds", lease)
+            t._follow_shards()
+            assert asked == [pytest.approx(deadline)], (lease, asked)
+            monkeypatch.undo()
+
+
 def test_the_byte_counters_count_what_the_shard_clients_sent_and_received(cluster_factory, monkeypatch):
     """Mutants: ``_count(self, pushed=0, pulled: int = 1)`` and ``= -1`` (each push would count a pulled byte)."""
     c = cluster_factory(2, mode="async")
