@@ -166,10 +166,11 @@ def run_case(n: int, sim_s: float, cap_s: float, journal_cap_s: float, task_peri
     # servicer's GetView does (lock held, bytes handed to gRPC): once per epoch now; the old code built
     # and serialized it per watcher (measured over up to --fanout-old watchers, scaled to n if fewer)
     from shoal import convert
+    from shoal.proto import shoal_pb2 as pb
     fan = ChiefServicer(state)
     t0 = time.process_time()
-    for _ in range(n):
-        fan._serialized_view(fresh=False)
+    for w in workers:                 # each worker watches the routing view (chief/views.py)
+        fan.views.answer(pb.ROUTING, w, fresh=False)
     fan_new = time.process_time() - t0
     k = min(n, fanout_old)
     t0 = time.process_time()

@@ -1,11 +1,15 @@
 """Primary -> backup replication of one shard.
 
 A primary hands every :class:`~shoal.ps.shard.Update` to its shard's
-:class:`Replicator` before applying it (the shard lock is held, so updates
-leave in version order). The replicator sends it to the backup and returns
-once the backup has applied it: a version is never visible (pulled, or
+:class:`Replicator` with the shard lock held, so updates leave in version
+order. With a backup in step, :meth:`Replicator.start` puts the update on its
+way from a sender thread and the primary applies it meanwhile;
+:meth:`Replicator.finish` returns once the backup has applied it, and only then
+is the shard lock released: a version is never visible (pulled, or
 acknowledged to a pushing worker) before the backup holds it, so promoting
-the backup loses no acknowledged update.
+the backup loses no acknowledged update. An update the backup does not take
+(refused, or the replicator closed) fences this copy, which never serves or
+applies again, whatever it applied meanwhile (ps/shard.py).
 
 A new backup first receives a whole copy (:meth:`Replicator._install`, in a
 background thread, training goes on); updates made meanwhile queue up and
@@ -25,6 +29,7 @@ import io
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import grpc
@@ -184,6 +189,9 @@ class Replicator:
         self._pending: list[Update] = []
         self._generation = 0
         self._stop = threading.Event()
+        # sends an update to a backup in step while the shard's own thread applies it (start/finish);
+        # its one thread starts with the first such update
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replicate-{shard_id}")
 
     @property
     def state(self) -> str:
@@ -226,6 +234,7 @@ class Replicator:
         self._stop.set()
         with self._lock:
             self._retarget(None)
+        self._sender.shutdown(wait=False)
 
     def _retarget(self, target: tuple[str, str] | None) -> int:
         """(lock held) Aims at ``target`` (None: no backup): the old backup's channels are closed, what was
@@ -247,24 +256,55 @@ class Replicator:
 
     # ------------------------------------------------------------ forwarding (shard lock held)
 
-    def __call__(self, u: Update) -> None:
+    def start(self, u: Update) -> "tuple[Future, int] | None":
+        """Puts ``u`` on its way to a backup in step (shard lock held) and returns at once, for the caller to
+        apply it meanwhile and then wait in :meth:`finish`; None when there is nothing to send ahead (no
+        backup, or a copy under way: :meth:`finish` does what :meth:`__call__` does). Raises, before
+        anything is applied, if the replicator was closed."""
+        with self._lock:
+            if self._stop.is_set():
+                raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
+                                  f"was dropped while it was on its way to the backup")
+            stubs = self._stubs if self._state == "in_sync" else None
+            gen = self._generation
+        if stubs is None:
+            return None
+        try:
+            return self._sender.submit(self._send, stubs, u), gen
+        except RuntimeError:                        # closed in between
+            raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
+                              f"was dropped while it was on its way to the backup") from None
+
+    def finish(self, u: Update, sending: "tuple[Future, int] | None") -> None:
+        """Returns once the backup holds ``u``: :meth:`__call__`, whose first attempt is the send that
+        :meth:`start` began (None: it makes its own)."""
+        self(u, sending)
+
+    def __call__(self, u: Update, sending: "tuple[Future, int] | None" = None) -> None:
         """Returns once the backup holds ``u`` (or the view names none, or a copy for a new one is under
         way and will carry it: the chief does not count that one whole yet; a backup counted whole that
         lost its copy gets a fresh one first, see :meth:`_recopy`); raises if the update must not be applied: the backup refused it (another
         ps is primary) or the replicator was closed (the view dropped this copy)."""
         warned, recopy = False, False
         while True:
-            with self._lock:
-                if self._stop.is_set():             # closed: this copy is being dropped, not retargeted
-                    raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
-                                      f"was dropped while it was on its way to the backup")
-                gen, state, stubs = self._generation, self._state, self._stubs
-                if stubs is None:                   # no backup (state "none")
-                    return
-                if state == "installing":
-                    self._pending.append(u)
-                    return
+            if sending is not None:                 # the first attempt is already on its way (start)
+                (in_flight, gen), sending = sending, None
+            else:
+                in_flight = None
+                with self._lock:
+                    if self._stop.is_set():         # closed: this copy is being dropped, not retargeted
+                        raise Unavailable(f"shard {self.shard_id}: update {u.version} not applied: this copy "
+                                          f"was dropped while it was on its way to the backup")
+                    gen, state, stubs = self._generation, self._state, self._stubs
+                    if stubs is None:               # no backup (state "none")
+                        return
+                    if state == "installing":
+                        self._pending.append(u)
+                        return
             try:
+                if in_flight is not None:
+                    in_flight.result()
+                    return
                 if recopy:
                     self._recopy(stubs, u.version)
                     recopy = False

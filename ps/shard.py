@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -232,28 +232,47 @@ class Shard:
         grad = self._round_sum.average(n)
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
                         tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())))
-        if self.replicator is not None:
+        r = self.replicator
+        start = getattr(r, "start", None)
+        if r is None:
+            self._apply(update)
+        elif start is None:                 # a plain callable: the backup first, then this copy
+            self._replicate(update, lambda: r(update))
+            self._apply(update)
+        else:
+            # on its way to the backup while this copy applies it; the lock is held until the backup has
+            # it, so nobody sees the version before then, and a copy whose update the backup did not take
+            # is fenced (never serves again), whatever it applied meanwhile
+            sending = self._replicate(update, lambda: start(update))
             try:
-                self.replicator(update)
-            except Exception as exc:
-                # the backup this copy kept in step was made primary (a planned move), or the view dropped the
-                # copy as a planned move while the update was on its way (the fence names it first): routine,
-                # and the workers are told so, so they follow the view quietly and send the update there
-                handed = HANDED_OVER in str(exc) or HANDED_OVER in (self.fenced or "")
-                log.log(logging.INFO if handed else logging.ERROR,
-                        "shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
-                        self.shard_id, update.version, str(exc) or type(exc).__name__)
-                self._fence_locked(str(exc) or type(exc).__name__)
-                if handed and HANDED_OVER not in str(exc):
-                    self._check_not_fenced()
-                raise
-            # The view may have dropped this copy while the update was on its way (fenced is set
-            # without the lock, so that a replicator holding it cannot delay the view): not applied.
-            self._check_not_fenced()
-        self._apply(update)
+                self._apply(update)
+            finally:
+                self._replicate(update, lambda: r.finish(update, sending))
         self._round_sum, self._round_workers, self._round_keys, self._round_present = None, set(), [], set()
         self._round_batches, self._round_hparams = {}, {}
         log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
+
+    def _replicate(self, update: Update, call: Callable[[], Any]) -> Any:
+        """Runs ``call`` (a step of handing ``update`` to the backup, lock held); if it raises, this copy is
+        fenced and the error goes on to the pushing worker."""
+        try:
+            out = call()
+        except Exception as exc:
+            # the backup this copy kept in step was made primary (a planned move), or the view dropped the
+            # copy as a planned move while the update was on its way (the fence names it first): routine,
+            # and the workers are told so, so they follow the view quietly and send the update there
+            handed = HANDED_OVER in str(exc) or HANDED_OVER in (self.fenced or "")
+            log.log(logging.INFO if handed else logging.ERROR,
+                    "shard %d: cannot replicate version %d (%s); this copy takes no more pushes",
+                    self.shard_id, update.version, str(exc) or type(exc).__name__)
+            self._fence_locked(str(exc) or type(exc).__name__)
+            if handed and HANDED_OVER not in str(exc):
+                self._check_not_fenced()
+            raise
+        # The view may have dropped this copy while the update was on its way (fenced is set
+        # without the lock, so that a replicator holding it cannot delay the view): not taken.
+        self._check_not_fenced()
+        return out
 
     def fence(self, why: str) -> None:
         """Another ps is this shard's primary now: this copy never applies or serves again.

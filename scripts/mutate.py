@@ -64,7 +64,7 @@ MODULES: dict[str, list[str]] = {
                        U + "test_task_feed.py",
                        U + "test_membership.py", I + "test_task_journal.py"],
     "chief/membership.py": [U + "test_membership_edges.py", U + "test_membership.py", U + "test_chief_isolation.py",
-                            U + "test_chief_persistence.py"],
+                            U + "test_chief_persistence.py", U + "test_lease_deadlines.py"],
     "chief/placement.py": [U + "test_placement_edges.py", U + "test_placement.py"],
     "shoal/checkpoint_store.py": [U + "test_checkpoint_store_edges.py", U + "test_checkpoint.py", U + "test_checksum_chunks.py",
                                   U + "test_checkpoint_cut.py"],

@@ -188,13 +188,18 @@ def test_a_primary_holds_updates_for_an_unreachable_backup_until_the_view_drops_
     r._state = "in_sync"          # as if the copy had been made before the backup died
     done = threading.Event()
     threading.Thread(target=lambda: (shard.push("w", 0, torch.ones(4)), done.set()), daemon=True).start()
+    wait_until(lambda: shard.version == 1, timeout_s=5, what="the primary's own step (while the update travels)")
+    pulled = []
+    threading.Thread(target=lambda: pulled.append(shard.snapshot()), daemon=True).start()
     time.sleep(0.3)
-    assert not done.is_set() and shard.version == 0          # not acknowledged without the backup
+    assert not done.is_set() and pulled == []                # neither acknowledged nor seen without the backup
     t0 = time.monotonic()
     host.set_view(frozenset({"w", "w2"}), 0, [route])        # other view changes still get through
     assert time.monotonic() - t0 < 1.0
     host.set_view(frozenset({"w", "w2"}), 0, [pb.ShardRoute(shard=0, primary_id="ps-a")])   # backup dropped
     assert done.wait(5) and shard.version == 1
+    wait_until(lambda: pulled, timeout_s=5, what="the pull")
+    assert pulled[0][0] == 1
     host.close()
 
 

@@ -1,6 +1,6 @@
 """Replication edges found by mutation testing: an update or a copy that arrives short or mixed with
 another shard's is refused; updates over gRPC (one message, or chunked) reach the backup whole; a
-replicator closed while an update is on its way never lets that update be applied.
+replicator closed while an update is on its way never lets that update be acknowledged or seen.
 
 Pure state, no sockets: a primary's shard and its :class:`Replicator` talk to a real backup
 :class:`ShardHost` through a stand-in for the gRPC stubs (as in test_backup_recopy.py).
@@ -192,7 +192,7 @@ class Cancelled(grpc.RpcError):
 
 @pytest.mark.parametrize("failure", [ValueError("Cannot invoke RPC on closed channel!"), Cancelled()],
                          ids=["before-the-call", "during-the-call"])
-def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pair, failure):
+def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_acknowledged_or_seen(pair, failure):
     primary, backup, stubs, make = pair
     r = make()
 
@@ -203,7 +203,48 @@ def test_an_update_on_its_way_when_the_replicator_is_closed_is_never_applied(pai
     stubs.before_call = closed_under_it
     with pytest.raises(Unavailable, match="dropped"):
         primary.push("a", 0, torch.ones(6), key="k1")
-    assert primary.version == 0 and backup.shards[0].version == 0
+    assert backup.shards[0].version == 0
+    refused_from_now_on(primary)
+
+
+def test_the_primary_applies_an_update_while_it_travels_and_shows_it_once_the_backup_holds_it(pair):
+    """Replication off the critical path (issue 16): the primary's own step runs while the update is on
+    its way to the backup; neither the push's acknowledgement nor a pull comes before the backup has it."""
+    primary, backup, stubs, make = pair
+    make()
+    applied_meanwhile, release = threading.Event(), threading.Event()
+
+    def in_flight():                                   # the backup's side of the call, in the sender thread
+        wait_until(lambda: primary.version == 1, timeout_s=5, what="the primary's own step meanwhile")
+        applied_meanwhile.set()
+        assert release.wait(10)
+
+    stubs.before_call = in_flight
+    acked, pulled = [], []
+    pusher = threading.Thread(target=lambda: acked.append(primary.push("a", 0, torch.ones(6), key="k1")),
+                              daemon=True)
+    pusher.start()
+    assert applied_meanwhile.wait(10)
+    reader = threading.Thread(target=lambda: pulled.append(primary.snapshot()), daemon=True)
+    reader.start()
+    pusher.join(0.3)
+    reader.join(0.1)
+    assert acked == [] and pulled == [] and backup.shards[0].version == 0
+    release.set()
+    pusher.join(10)
+    reader.join(10)
+    assert acked[0].accepted and acked[0].version == 1 and pulled[0][0] == 1
+    assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
+
+
+def refused_from_now_on(primary):
+    """A copy whose update its backup did not take (it applied it while the update was on its way) is
+    fenced: no pull or push sees that version, ever."""
+    assert primary.fenced
+    for call in (lambda: primary.snapshot(), lambda: primary.delta("none", 0),
+                 lambda: primary.wait_version(0, 1.0), lambda: primary.push("a", 0, torch.ones(6), key="k2")):
+        with pytest.raises(FailedPrecondition, match="not the primary any more"):
+            call()
 
 
 @pytest.mark.parametrize("primary_now,handed_over", [("ps-1", True), ("ps-9", False)],
@@ -219,7 +260,7 @@ def test_a_fenced_update_says_handed_over_only_when_its_own_backup_took_over(pai
     with pytest.raises(Unavailable, match=f"{FENCED} {primary_now}") as err:
         primary.push("a", 0, torch.ones(6), key="k1")
     assert (HANDED_OVER in str(err.value)) is handed_over
-    assert primary.version == 0
+    refused_from_now_on(primary)
 
 
 class FlakyCopy(Replicator):
@@ -371,7 +412,9 @@ def test_a_backup_that_lost_its_copy_gets_one_fresh_copy_even_when_the_update_af
     with caplog.at_level(logging.WARNING, logger="shoal.ps.replication"):
         assert primary.push("a", 0, torch.ones(6), key="k1").accepted
     assert stubs.installs - installs == 1
-    [took] = [float(m) for m in re.findall(r"sent it a fresh one at version 0 \(\d+ bytes in ([\d.]+)s\)", caplog.text)]
+    # at version 1: the primary applied the update while its first send was on its way; the update
+    # sent again after the copy is a no-op there
+    [took] = [float(m) for m in re.findall(r"sent it a fresh one at version 1 \(\d+ bytes in ([\d.]+)s\)", caplog.text)]
     assert took < 60
     assert backup.shards[0].version == 1 and backup.shards[0].digest() == primary.digest()
 
