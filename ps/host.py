@@ -103,7 +103,8 @@ class ShardHost:
 
     def _primary_copy(self, shard: int) -> Shard | None:
         s = self.shards.get(shard)
-        return s if s is not None and self.roles.get(shard) == PRIMARY else None
+        # a fenced copy never feeds a backup: it may hold an update its own backup did not take (ps/shard.py)
+        return s if s is not None and not s.fenced and self.roles.get(shard) == PRIMARY else None
 
     def backups_complete(self) -> list[tuple[int, str]]:
         """``(shard, backup id)`` for each primary copy here whose backup holds a whole copy and follows it."""

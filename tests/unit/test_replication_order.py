@@ -199,3 +199,18 @@ def test_a_shard_the_view_assigns_after_the_join_is_restored_before_an_init_can_
         assert created and restored == [3]
     finally:
         host.close()
+
+
+def test_a_fenced_copy_never_feeds_a_backup():
+    """A copy fenced because its backup did not take an update may hold that update (it applies while the
+    update travels): no copy for a new backup, and no fresh copy for an old one, is ever made from it."""
+    host, s = fencing_host()
+    try:
+        r = host._replicator(0)
+        assert r._find_shard() is s
+        s.fence("the backup answered that another ps is the primary")
+        assert r._find_shard() is None
+        with pytest.raises(Unavailable, match="no longer the primary"):
+            r._recopy(None, 2)
+    finally:
+        host.close()
