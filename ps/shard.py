@@ -3,13 +3,12 @@
 Thread-safe pure state (no sockets): the servicer decodes frames and calls
 :meth:`Shard.push` / :meth:`Shard.snapshot`; tests drive it directly. For a
 checkpoint, :meth:`Shard.freeze` holds updates at a version, :meth:`Shard.export_state`
-copies everything a restore needs (:meth:`Shard.from_state`) and :meth:`Shard.thaw`
-lets updates go on.
+copies everything a restore needs (:meth:`Shard.from_state`, both in ps/shard_copies.py) and
+:meth:`Shard.thaw` lets updates go on.
 """
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import threading
 import time
@@ -20,11 +19,11 @@ import numpy as np
 import torch
 
 from shoal.ps.changes import ChangeLog
+from shoal.ps.shard_copies import ShardCopies
 from shoal.ps.sparse import RoundSum, SparseGrad
 from shoal.ps.update import PushResult, Update, count_nonfinite
-from shoal.checkpoint_store import ShardState
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
-from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra
+from shoal.ps.ledger import BatchKey, Ledger
 from shoal.optim import build_optimizer
 from shoal.config import OptimizerSpec
 from shoal.wire import encode_weights, pull_itemsize
@@ -47,7 +46,9 @@ class ShardStats:
     nonfinite: dict[str, int] = field(default_factory=dict)   # pushes holding NaN/Inf not applied, per worker
 
 
-class Shard:
+class Shard(ShardCopies):
+    """One shard's state and rules; its copies (checkpoint, backup, digest) are :class:`ShardCopies`."""
+
     def __init__(self, shard_id: int, values: torch.Tensor, optimizer: OptimizerSpec, rule: Rule,
                  fingerprint: str, clock: Callable[[], float] = time.monotonic, flat_start: int = 0):
         if values.dim() != 1 or values.dtype != torch.float32:
@@ -454,53 +455,3 @@ class Shard:
             self._close_round_quietly()
             self._cond.notify_all()
             return held
-
-    def export_state(self, start: int = 0) -> ShardState:
-        """A copy of everything a restore needs; ``start`` is the shard's offset in the flat model."""
-        with self._cond:
-            start = start or self.flat_start
-            return ShardState(self.shard_id, start, start + self.numel, self._param.detach().clone(),
-                              self.optimizer_spec.saved_name, dict(self.optimizer_spec.hparams),
-                              copy.deepcopy(self._opt.state_dict()), self.version,
-                              {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint})
-
-    def export_replica(self) -> dict:
-        """Everything a new backup needs to continue as this shard's copy (lock held by the caller or not)."""
-        with self._cond:
-            state = self.export_state()
-            return {"state": state, "keys": list(self._keys.items()), "clocks": dict(self._clocks),
-                    "pushed": sorted(self._pushed)}
-
-    @classmethod
-    def from_replica(cls, replica: dict, rule: Rule, clock: Callable[[], float] = time.monotonic) -> "Shard":
-        state = replica["state"]
-        s = cls.from_state(state, rule, state.extra["fingerprint"], clock)
-        s._keys = collections.OrderedDict((str(k), int(v)) for k, v in replica["keys"])
-        s._clocks = {str(k): int(v) for k, v in replica["clocks"].items()}
-        s._pushed = {str(w) for w in replica.get("pushed", ())}
-        return s
-
-    def digest(self) -> tuple[int, str]:
-        """``(version, sha256)`` of the weights and the optimizer state: equal on identical copies."""
-        import hashlib
-
-        with self._cond:
-            h = hashlib.sha256(self._param.detach().numpy().tobytes())
-            for _, st in sorted(self._opt.state_dict()["state"].items()):
-                for name in sorted(st):
-                    v = st[name]
-                    h.update(name.encode())
-                    h.update(v.detach().cpu().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-            return self.version, h.hexdigest()
-
-    @classmethod
-    def from_state(cls, state: ShardState, rule: Rule, fingerprint: str,
-                   clock: Callable[[], float] = time.monotonic) -> "Shard":
-        """A shard rebuilt from a checkpoint: weights, optimizer state, version and ledger."""
-        s = cls(state.shard, state.values, OptimizerSpec.from_saved(state.optimizer, dict(state.hparams)), rule,
-                fingerprint, clock, flat_start=state.start)
-        s._opt.load_state_dict(state.opt_state)
-        s.version = int(state.version)
-        s.changes = ChangeLog(s.numel, s.version, s.optimizer_spec)
-        s.ledger = ledger_from_extra(state.extra)
-        return s
