@@ -283,8 +283,9 @@ class Replicator:
     def __call__(self, u: Update, sending: "tuple[Future, int] | None" = None) -> None:
         """Returns once the backup holds ``u`` (or the view names none, or a copy for a new one is under
         way and will carry it: the chief does not count that one whole yet; a backup counted whole that
-        lost its copy gets a fresh one first, see :meth:`_recopy`); raises if the update must not be applied: the backup refused it (another
-        ps is primary) or the replicator was closed (the view dropped this copy)."""
+        lost its copy gets a fresh one first, see :meth:`_recopy`); raises if the update must not be acknowledged: the backup refused
+        it (another ps is primary) or the replicator was closed (the view dropped this copy). ``sending``: the
+        first attempt, already under way (:meth:`start`)."""
         warned, recopy = False, False
         while True:
             if sending is not None:                 # the first attempt is already on its way (start)
