@@ -145,7 +145,9 @@ class Journal:
             if not isinstance(state, dict):
                 raise ValueError(f"snapshot is a {type(state).__name__}, not an object")
             return replay(state, [(kind, json.loads(body)) for kind, body in changes])
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, ShoalError) as exc:
+            # ShoalError: a task op the queue refuses (a task nobody holds, no dataset): only a corrupt
+            # journal holds one
             raise self._unreadable(exc) from exc
 
     def write(self, state: dict, event: str) -> None:

@@ -177,6 +177,29 @@ def test_a_change_that_does_not_fit_the_snapshot_is_unreadable_naming_the_file(t
     again.close()
 
 
+@pytest.mark.parametrize("op", [
+    ["take", "worker-0", 1],                        # no dataset configured: FailedPrecondition
+    ["complete", "worker-0", 7],                    # a task nobody holds: InvalidArgument
+    ["configure", {"size": 1}],                     # not a dataset: TypeError
+])
+def test_a_task_op_that_does_not_fit_the_queue_is_unreadable_naming_the_file(tmp_path, op):
+    """Only a corrupt journal holds such an op; the chief must say so ("unreadable, move it away or
+    --fresh"), not stop on the queue's own error."""
+    from shoal.chief.state import ChiefState
+    from shoal.config import JobConfig
+
+    path = tmp_path / "chief.db"
+    j = Journal(path)
+    j.write(ChiefState(JobConfig(num_shards=1), lambda: 0.0).journal_snapshot(), "snapshot")
+    j.close()
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO changes (kind, body) VALUES (?, ?)", ("tasks", json.dumps([op])))
+    again = Journal(path)
+    with pytest.raises(JournalUnreadable, match=f"chief journal {path} is unreadable"):
+        again.load()
+    again.close()
+
+
 class _Locked(_FailingEvents):
     """The journal's connection, except that the next write cannot start: another connection holds
     the database's write lock past the busy timeout. No transaction is open, so ROLLBACK fails too."""
