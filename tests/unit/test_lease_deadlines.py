@@ -163,3 +163,79 @@ def test_a_lease_check_at_many_members_looks_at_the_due_ones_only():
     ms._queue = lambda m: (popped.append(m.member_id), real(m))
     clock.now += 0.2
     assert ms.expire() == [] and popped == []        # nothing was due: nothing looked at
+
+
+# ---- exact edges of the heap's checks (fake clock, floats exact in binary), each a mutation survivor
+
+def test_a_lease_renewed_since_it_was_filed_is_judged_with_the_backlog_at_its_exact_end(caplog):
+    clock = Clock()
+    ms = Membership(LEASE, clock)
+    w = ms.join(Role.WORKER)                         # filed at 1003.0
+    clock.now = 1002.0
+    ms.heartbeat(w.member_id)                        # 1005.0, still filed at 1003.0
+    ms.backlog_s = 1.0                               # the chief is 1 s behind: judged 1 s later
+    clock.now = 1006.0                               # the entry is due; the lease ends exactly now
+    assert ms.expire() == [] and w.live
+    clock.now = 1006.5
+    with caplog.at_level("INFO", logger="shoal.chief.membership"):
+        assert ms.expire() == [w]
+    assert f"member {w.member_id} expired (no heartbeat for 3.0s)" in caplog.text
+
+
+def test_a_worker_whose_connection_dropped_ends_by_that_sighting_up_to_its_lease_end_with_the_backlog(caplog):
+    clock = Clock()
+    ms = Membership(LEASE, clock)
+    w = ms.join(Role.WORKER)
+    ms.connection_lost(w.member_id)                  # not watching: the lease is cut to 1001.0
+    ms.backlog_s = 1.0
+    clock.now = 1002.0                               # not lapsed (1001 + 1 is not before 1002)
+    with caplog.at_level("INFO", logger="shoal.chief.membership"):
+        assert ms.expire() == [w]
+    assert "saw its data connection drop and it has not watched the view since" in caplog.text
+    assert "no heartbeat" not in caplog.text
+
+
+def test_a_worker_ended_at_once_after_its_connection_dropped_is_not_ended_again():
+    clock = Clock()
+    ms = Membership(LEASE, clock)
+    w = ms.join(Role.WORKER)
+    ms.connection_lost(w.member_id)
+    assert ms.expire_now(w.member_id, "the chief could not reach it") is w
+    clock.now += LEASE / 6
+    assert ms.expire() == [] and not w.live
+    assert ms.expire() == []
+
+
+def test_when_a_silent_server_is_heard_again_every_other_server_gets_a_lease_from_then():
+    clock = Clock()
+    ms = Membership(LEASE, clock)
+    ms.hold_when_servers_silent(6.0)
+    a, b = ms.join(Role.PS), ms.join(Role.PS)        # both until 1003.0
+    clock.now = 1004.0
+    assert ms.expire() == [] and ms.isolations_held == 1          # all silent: held
+    ms.heartbeat(a.member_id)
+    assert ms.expire() == [] and b.live
+    assert b.lease_until == 1004.0 + LEASE
+
+
+def test_a_hold_under_a_second_is_taken():
+    ms = Membership(LEASE, Clock())
+    ms.hold_when_servers_silent(0.5)
+    assert ms._servers_hold_s == 0.5
+
+
+def test_every_change_to_who_is_live_moves_the_live_version():
+    """ViewBoard keeps the workers' ranks until this moves (chief/views.py)."""
+    clock = Clock()
+    ms = Membership(LEASE, clock)
+    seen = [ms.live_version]
+    a, b, c = (ms.join(Role.WORKER) for _ in range(3))
+    seen.append(ms.live_version)
+    ms.leave(a.member_id)
+    seen.append(ms.live_version)
+    ms.expire_now(b.member_id, "test")
+    seen.append(ms.live_version)
+    clock.now += 2 * LEASE
+    assert ms.expire() == [c]
+    seen.append(ms.live_version)
+    assert seen == sorted(set(seen)), seen
