@@ -74,6 +74,8 @@ MODULES: dict[str, list[str]] = {
                     U + "test_open_round_failover.py",      # added after the 2026-12-06 run (RESULTS)
                     U + "test_replication_edges.py",        # the overlapped replication path: added late 2026-12-06, not run yet
                     I + "test_ps_servicer.py", I + "test_tcp_channel.py"],
+    "ps/shard_copies.py": [U + "test_replication_edges.py", U + "test_backup_recopy.py", U + "test_checkpoint_cut.py",
+                           U + "test_shard_mutants.py", I + "test_replication.py"],   # split from shard.py; not run yet
     "ps/replication.py": [U + "test_replication_edges.py", U + "test_replication_order.py", U + "test_backup_recopy.py",
                           U + "test_no_backup_warning.py", I + "test_fencing.py", I + "test_tcp_channel.py",
                           I + "test_replication.py"],
