@@ -28,7 +28,7 @@ class DirectBackup:
 
     def _replicate(self, frames):
         from shoal.proto import shoal_pb2 as pb
-        from shoal.ps.replication import update_from_frames
+        from shoal.ps.update_wire import update_from_frames
         head, u = update_from_frames(iter(frames))
         return pb.ReplicateReply(version=self.host.replicate(head, u)).SerializeToString()
 

@@ -699,7 +699,7 @@ class ReplicatedBatch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
-    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel", "hparams")
+    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel", "hparams", "dtype", "entries", "nnz", "sparse")
     class HparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -717,6 +717,10 @@ class ReplicateHeader(_message.Message):
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_NUMEL_FIELD_NUMBER: _ClassVar[int]
     HPARAMS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     version: int
     primary_id: str
@@ -727,7 +731,11 @@ class ReplicateHeader(_message.Message):
     numel: int
     shard_numel: int
     hparams: _containers.ScalarMap[str, float]
-    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    dtype: str
+    entries: bool
+    nnz: int
+    sparse: bool
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ..., dtype: _Optional[str] = ..., entries: _Optional[bool] = ..., nnz: _Optional[int] = ..., sparse: _Optional[bool] = ...) -> None: ...
 
 class InstallHeader(_message.Message):
     __slots__ = ("shard", "version", "primary_id", "offset", "total_bytes", "layout_fingerprint")

@@ -42,6 +42,7 @@ from shoal.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
 from shoal.ps.shard import Shard
 from shoal.ps.update import Update
+from shoal.ps.update_wire import update_frames, update_message
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs
 
@@ -54,62 +55,6 @@ COPY_TIMEOUT_S = 120.0         # a whole copy may take this long at least (the r
 
 
 # ---------------------------------------------------------------- encoding
-
-def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> list[bytes]:
-    """One update as frames: the first carries keys, ledger entries and workers; all carry a grad chunk."""
-    raw = frames.tensor_bytes(u.dense_grad())
-    numel = raw.nbytes // 4
-    per = max(1, chunk_bytes // 4)
-    out, off = [], 0
-    while True:
-        n = min(per, numel - off)
-        head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=off, numel=n,
-                                  shard_numel=numel)
-        if off == 0:
-            head.hparams.update(dict(u.hparams))
-            head.keys.extend(u.keys)
-            head.workers.extend(u.workers)
-            head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
-        out.append(frames.pack(head, raw[off * 4:(off + n) * 4]))
-        off += n
-        if off >= numel:
-            return out
-
-
-def update_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.ReplicateHeader], None] = lambda h: None
-                       ) -> tuple[pb.ReplicateHeader, Update]:
-    """``check(first header)`` may refuse the update before its gradient is allocated."""
-    first, grad, covered = None, None, 0
-    for frame in frame_iter:
-        head, payload = frames.unpack(frame, pb.ReplicateHeader)
-        if first is None:
-            check(head)
-            first = head
-            grad = torch.empty(head.shard_numel, dtype=torch.float32)
-        if (head.shard, head.version, head.shard_numel) != (first.shard, first.version, first.shard_numel) \
-                or head.offset != covered or head.offset + head.numel > first.shard_numel:
-            raise ValueError(f"replicate chunk [{head.offset}, +{head.numel}) does not continue at {covered}")
-        grad[head.offset:head.offset + head.numel] = frames.fp32_from(payload, head.numel)
-        covered += head.numel
-    if first is None or covered != first.shard_numel:
-        raise ValueError(f"replicated update covers {covered} of {first.shard_numel if first else '?'} elements")
-    return first, update_from_header(first, grad)
-
-
-def update_header(shard: int, primary_id: str, u: Update) -> pb.ReplicateHeader:
-    """The header of an update sent whole (one message: the TCP data channel)."""
-    numel = u.dense_grad().numel()
-    head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=0, numel=numel,
-                              shard_numel=numel, keys=u.keys, workers=u.workers, hparams=dict(u.hparams))
-    head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
-    return head
-
-
-def update_from_header(head: pb.ReplicateHeader, grad: torch.Tensor) -> Update:
-    batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in head.batches)
-    return Update(head.version, grad, tuple(head.keys), batches, tuple(head.workers),
-                  hparams=tuple(sorted(head.hparams.items())))
-
 
 def replica_bytes(replica: dict) -> bytes:
     """A :meth:`Shard.export_replica` as bytes (torch.save of plain values: loads with weights_only)."""
@@ -336,9 +281,8 @@ class Replicator:
     def _send(self, stubs: DataStubs, u: Update) -> int:
         tcp = self._data_channel(stubs)
         if tcp is not None:
-            head = update_header(self.shard_id, self._member_id(), u).SerializeToString()
-            grad = frames.tensor_bytes(u.dense_grad())
-            return tcp.call(lambda sock: tcp_client.replicate(sock, head, grad), self._timeout_s).version
+            head, body = update_message(self.shard_id, self._member_id(), u)
+            return tcp.call(lambda sock: tcp_client.replicate(sock, head, body), self._timeout_s).version
         fr = update_frames(self.shard_id, self._member_id(), u, self._chunk_bytes)
         if len(fr) == 1:
             reply = stubs.replicate_one(fr[0], timeout=self._timeout_s)

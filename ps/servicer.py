@@ -13,7 +13,8 @@ import grpc
 import torch
 
 from shoal.ps.host import ShardHost
-from shoal.ps.replication import NoInstall, install_from_frames, update_from_frames
+from shoal.ps.replication import NoInstall, install_from_frames
+from shoal.ps.update_wire import update_from_frames
 from shoal.ps.shard import Shard
 from shoal.ps.update import count_nonfinite
 from shoal import auth, frames, tokens
@@ -24,7 +25,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors, request_seconds
 from shoal.ps.sparse import SparseGrad
-from shoal.wire import DATA_SERVICE, decode_chunk, decode_sparse_chunk, is_sparse, iter_chunks
+from shoal.wire import DATA_SERVICE, decode_chunk, decode_sparse_chunk, exact_dtype, is_sparse, iter_chunks
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +250,7 @@ class PushAssembly:
         self.covered = 0
         self.owned = False
         self.sparse = True     # every chunk so far came in a sparse codec (top-k)
+        self.exact: str | None = None   # the narrower dtype every chunk so far is exact in ("": none)
         self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []   # theirs, shard-indexed, while sparse
 
     def check(self, head: pb.PushHeader) -> None:
@@ -265,6 +267,8 @@ class PushAssembly:
                 (self.first.shard, self.first.key, self.first.version, self.first.worker_id):
             raise InvalidArgument("Push frames disagree on shard, key, version or worker")
         self.sparse = self.sparse and is_sparse(head.codec)
+        dtype = exact_dtype(head.codec)
+        self.exact = dtype if self.exact is None or self.exact == dtype else ""
         numel = self.shard.numel
         if head.offset != self.covered or head.numel < 0 or head.offset + head.numel > numel:
             raise InvalidArgument(f"push chunk [{head.offset}, {head.offset + head.numel}) does not continue "
@@ -318,7 +322,7 @@ class PushAssembly:
                                 reason=f"batch {over[0].epoch}/{over[0].start} belongs to an epoch that is over",
                                 applied_before=[pb.BatchRange(epoch=k.epoch, start=k.start) for k in over])
         r = shard.push(first.worker_id, first.version, grad, first.key, batches=batches,
-                       owned=self.owned, sparse=self.sparse, hparams=dict(first.hparams))
+                       owned=self.owned, sparse=self.sparse, hparams=dict(first.hparams), exact=self.exact or "")
         return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate,
                             applied_before=[pb.BatchRange(epoch=k.epoch, start=k.start) for k in r.applied])
 

@@ -67,6 +67,7 @@ class Shard(ShardCopies):
         self.changes = ChangeLog(self.numel, self.version, optimizer)
         self._round_sum: RoundSum | None = None
         self._round_sparse = True
+        self._round_exact = ""          # the open round is one push whose values this dtype holds exactly
         self._round_workers: set[str] = set()
         # Workers present in the open round with nothing new for it: their push, computed on this
         # version, named batches this shard applied in an earlier round. A sync round does not wait for them
@@ -108,7 +109,7 @@ class Shard(ShardCopies):
     def push(self, worker: str, version: int, grad: torch.Tensor | SparseGrad, key: str = "",
              batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
              sparse: bool = False, hparams: dict[str, float] | None = None,
-             batches: tuple[BatchKey, ...] = ()) -> PushResult:
+             batches: tuple[BatchKey, ...] = (), exact: str = "") -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
@@ -119,7 +120,9 @@ class Shard(ShardCopies):
         outside a few elements (top-k), which lets delta pulls send only what the update changed; a
         :class:`~shoal.ps.sparse.SparseGrad` is (and is applied to its elements only where exact).
         ``hparams``: the user's current hyper-parameters (``"0.lr"``, ...; an LR scheduler's); the
-        update that applies this push steps with the newest a push of its round carried.
+        update that applies this push steps with the newest a push of its round carried. ``exact``: a
+        narrower dtype that holds every value of ``grad`` exactly (``"bfloat16"``: a bf16 push); an
+        update of this push alone travels to the backup in it (ps/update_wire.py).
         """
         named = (batch, *batches) if batch is not None else tuple(batches)
         sparse = sparse or isinstance(grad, SparseGrad)
@@ -166,9 +169,9 @@ class Shard(ShardCopies):
                 # A gradient applied alone (async, ssp) is only read by the optimizer: no copy.
                 alone = self.rule.round_complete({worker}, self._expected())
                 self._round_sum = RoundSum(grad, owned or alone)
-                self._round_sparse = sparse
+                self._round_sparse, self._round_exact = sparse, exact
             else:
-                self._round_sparse = self._round_sparse and sparse
+                self._round_sparse, self._round_exact = self._round_sparse and sparse, ""
                 self._round_sum.add(grad)
             self._round_workers.add(worker)
             self._nonfinite_streak.pop(worker, None)
@@ -232,7 +235,8 @@ class Shard(ShardCopies):
         assert self._round_sum is not None
         grad = self._round_sum.average(n)
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
-                        tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())))
+                        tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())),
+                        self._round_exact)
         r = self.replicator
         start = getattr(r, "start", None)
         if r is None:
@@ -333,9 +337,10 @@ class Shard(ShardCopies):
         """A backup takes its primary's update; a resent one is a no-op. Returns the version. ``check``
         (may raise: the sender is no longer the primary) runs under the shard's lock, so no promotion of
         this copy slips between it and the apply (ps/host.py)."""
-        if u.grad.shape != (self.numel,):
-            raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, update has {tuple(u.grad.shape)}")
-        bad = count_nonfinite(u.grad)
+        shape = (u.grad.numel,) if isinstance(u.grad, SparseGrad) else tuple(u.grad.shape)
+        if shape != (self.numel,):
+            raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, update has {shape}")
+        bad = count_nonfinite(u.grad.values if isinstance(u.grad, SparseGrad) else u.grad)
         if bad:
             raise InvalidArgument(f"shard {self.shard_id}: the update to version {u.version} holds {bad} "
                                   f"non-finite value(s) (NaN/Inf); not applied")

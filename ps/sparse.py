@@ -37,9 +37,9 @@ name gets ``+0.0`` added, which turns a ``-0.0`` into ``+0.0`` as the dense sum
 does), then divided by the number of workers. A dense push in a round makes
 the round dense: the sparse pushes before it are replayed densely, in order.
 
-Replication and checkpoints see the same result: a backup gets the update's
-dense gradient (:meth:`SparseGrad.dense`, the wire format is unchanged) and
-takes the dense step, which gives the same bits as the primary's sparse one.
+Replication and checkpoints see the same result: a backup is sent the update's
+entries (ps/update_wire.py) and applies them through the same step, sparse or
+dense by the same rule, so its bits and its change log are the primary's.
 """
 from __future__ import annotations
 

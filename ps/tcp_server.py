@@ -26,7 +26,7 @@ from shoal import auth, frames, tls
 from shoal import tcp_channel as tc
 from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.proto import shoal_pb2 as pb
-from shoal.ps.replication import update_from_header
+from shoal.ps.update_wire import Incoming
 from shoal.ps.servicer import DataServicer, PushAssembly
 
 log = logging.getLogger(__name__)
@@ -269,26 +269,28 @@ class DataChannelServer:
         return None
 
     def _replicate(self, conn: socket.socket, head: bytes, body_len: int) -> pb.ReplicateReply:
-        """A primary's update, sent whole: received into the gradient the backup's step uses."""
+        """A primary's update, sent whole (ps/update_wire.py): its body is received straight into the
+        buffer the backup's step reads, once the header, the sender and the size are checked."""
         try:
             h = pb.ReplicateHeader.FromString(head)
         except DecodeError as exc:
             tc.discard(conn, body_len)
             raise _Refused(InvalidArgument(f"corrupt ReplicateHeader: {exc}")) from None
-        if h.offset != 0 or h.numel != h.shard_numel or h.numel < 0 or body_len != 4 * h.numel:
-            tc.discard(conn, body_len)
-            raise _Refused(InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}) "
-                                           f"of {h.shard_numel} elements: it must be the whole fp32 gradient"))
         try:        # the sender and the size, before the gradient is allocated
-            self.servicer.host.check_sender(h.shard, h.primary_id, h.shard_numel)
+            incoming = Incoming(h)
+            if body_len != incoming.body_bytes or h.offset != 0 or h.numel != incoming.count:
+                raise InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}): "
+                                      f"sent whole, it must hold all {incoming.count} "
+                                      f"{'entries' if h.entries else 'elements'}, {incoming.body_bytes} bytes")
+            target = incoming.open(lambda h: self.servicer.host.check_sender(h.shard, h.primary_id,
+                                                                             h.shard_numel)).whole()
         except ShoalError as exc:
             tc.discard(conn, body_len)
             raise _Refused(exc) from None
-        grad = torch.empty(h.numel, dtype=torch.float32)
-        tc.recv_exactly(conn, frames.tensor_bytes(grad))
+        tc.recv_exactly(conn, target)
         self.servicer.host.count(inbound=tc.PREFIX.size + len(head) + body_len)
         try:
-            return pb.ReplicateReply(version=self.servicer.host.replicate(h, update_from_header(h, grad)))
+            return pb.ReplicateReply(version=self.servicer.host.replicate(h, incoming.update()))
         except Exception as exc:  # noqa: BLE001 - the host's refusal (fenced, needs a copy) is the reply
             raise _Refused(exc) from None
 

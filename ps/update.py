@@ -39,6 +39,8 @@ class Update:
     workers: tuple[str, ...] = ()              # whose clocks advance
     sparse: bool = False                       # grad is zero outside a few elements (top-k pushes)
     hparams: tuple[tuple[str, float], ...] = ()  # the hyper-parameters it steps with ("0.lr", ...); () unchanged
+    exact: str = ""                            # a narrower dtype that holds every value of grad exactly
+    #                                            ("bfloat16", "float16": one push in that codec), "" none
 
     def dense_grad(self) -> torch.Tensor:
         """The gradient as one dense tensor (what a backup is sent); built once for a sparse one."""

@@ -67,6 +67,21 @@ def is_sparse(tag: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=64)
+def exact_dtype(tag: str) -> str:
+    """The narrower dtype (``"bfloat16"``, ``"float16"``) that holds every value a chunk pushed in codec
+    ``tag`` decodes to, exactly (a cast codec's wire dtype); ``""`` for the others (fp32, scaled, sparse)."""
+    if tag in ("", "none"):
+        return ""
+    from shoal import codecs
+
+    try:
+        dtype = getattr(codecs.get_codec(codecs.parse_tag(tag)[0]), "wire_dtype", None)
+    except codecs.CodecError:
+        return ""
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "")
+
+
 def pull_itemsize(tag: str) -> int:
     """Bytes per element of a pull codec; InvalidArgument for an unknown one."""
     size = PULL_ITEMSIZE.get(tag)

@@ -66,7 +66,7 @@ def test_backups_are_byte_identical_to_their_primaries(cluster_factory, mode):
 def test_top_k_updates_applied_sparse_on_the_primary_leave_the_backup_byte_identical(cluster_factory, mode,
                                                                                       optimizer):
     # with top-k the workers keep the momentum (or Adam's moments) and the shards run plain SGD: the
-    # primaries apply each push to the elements it names, the backups take the dense step
+    # primaries apply each push to the elements it names, and so do the backups, sent only those entries
     c = cluster_factory(2, mode=mode, lease_seconds=2.0)
     x, y = data(512)
     models = [mlp(0), mlp(1)]
@@ -79,10 +79,37 @@ def test_top_k_updates_applied_sparse_on_the_primary_leave_the_backup_byte_ident
             assert got[k]["primary"] == got[k]["backup"], f"shard {k} copies differ"
             assert got[k]["primary"][0] > 10
         primaries = [s for ps in c.servers for k, s in ps.host.shards.items() if ps.host.roles[k] == "primary"]
-        assert len(primaries) == 2
+        backups = [s for ps in c.servers for k, s in ps.host.shards.items() if ps.host.roles[k] == "backup"]
+        assert len(primaries) == len(backups) == 2
         for s in primaries:
             assert s.optimizer_spec.name == "sgd" and s.stats.sparse_updates == s.stats.updates == s.version
+        for s in backups:       # every update since the backup's copy came as entries and was applied as such
+            assert s.stats.updates > 10 and s.stats.sparse_updates == s.stats.updates
         assert_exactly_once(c, 512, 16, 3)
+    finally:
+        for t in trainers:
+            t.close()
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+def test_updates_from_half_precision_pushes_travel_in_it_and_leave_the_backup_byte_identical(cluster_factory,
+                                                                                            codec):
+    c = cluster_factory(2, mode="async", lease_seconds=2.0)
+    x, y = data(512)
+    models = [mlp(0), mlp(1)]
+    trainers = [Trainer(m, chief=c.chief_address, lr=0.02, optimizer="adam", compression=codec) for m in models]
+    sent = []
+    try:
+        wait_until(lambda: in_sync(c) and len(copies(c)) == 2, timeout_s=20, what="backups to be filled")
+        for ps in c.servers:        # what each primary hands its replicator, as the wire sends it
+            for k, r in ps.host.replicators.items():
+                real = r.start
+                r.start = lambda u, real=real: sent.append(u.exact) or real(u)
+        train_all(trainers, models, x, y, epochs=2)
+        got = copies(c)
+        for k in (0, 1):
+            assert got[k]["primary"] == got[k]["backup"], f"shard {k} copies differ"
+        assert len(sent) > 20 and set(sent) == {"bfloat16" if codec == "bf16" else "float16"}
     finally:
         for t in trainers:
             t.close()

@@ -14,7 +14,8 @@ from shoal.errors import ShoalError
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.host import ShardHost
-from shoal.ps.replication import Replicator, install_from_frames, update_from_frames
+from shoal.ps.replication import Replicator, install_from_frames
+from shoal.ps.update_wire import update_from_frames
 from shoal.ps.shard import Shard
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})

@@ -22,8 +22,8 @@ from shoal.ps.consistency import AsyncRule
 from shoal.ps.ledger import BatchKey
 from shoal.ps import replication
 from shoal.ps.host import ShardHost
-from shoal.ps.replication import (FENCED, NEEDS_COPY, Replicator, install_frames, install_from_frames, replica_bytes, update_frames,
-                                  update_from_frames)
+from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, install_frames, install_from_frames, replica_bytes
+from shoal.ps.update_wire import update_frames, update_from_frames
 from shoal.ps.shard import Shard
 from shoal.ps.update import Update
 

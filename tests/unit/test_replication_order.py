@@ -15,7 +15,8 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.host import ShardHost
 from shoal.ps.ledger import BatchKey
-from shoal.ps.replication import FENCED, replica_bytes, update_header
+from shoal.ps.replication import FENCED, replica_bytes
+from shoal.ps.update_wire import update_header
 from shoal.ps.shard import Shard
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})

@@ -1,0 +1,218 @@
+"""A primary's update as it travels to the backup: its header and its gradient, in as few bytes as exact.
+
+The backup must take the very step its primary took, so the gradient travels
+exactly, but not always as dense fp32:
+
+- **entries**: a sparse update (a :class:`~shoal.ps.sparse.SparseGrad`, from
+  top-k pushes) sends its ``nnz`` int64 indices, then its ``nnz`` fp32 values,
+  12 bytes an entry instead of 4 bytes an element of the shard. The backup
+  steps with the same entries, as its primary did (sparse or dense, by the
+  same optimizer's rule), so the two copies stay bit-identical.
+- **half**: an update made of one push in ``bf16`` or ``fp16``
+  (:attr:`Update.exact`: async, or a round of one worker) holds only values
+  that dtype represents exactly, so it travels in it: 2 bytes an element. A
+  sync round's average of several pushes is not exact in it and stays fp32.
+- otherwise dense fp32, as before.
+
+On the TCP data channel an update is one message (its header, then the body);
+over gRPC it is split into frames of ``chunk_bytes``, each header's
+``offset``/``numel`` counting elements, or entries when ``entries`` is set.
+Every size is checked against the first header before anything is allocated
+(:class:`Incoming`), and a body that disagrees is refused whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from shoal import frames
+from shoal.errors import InvalidArgument
+from shoal.proto import shoal_pb2 as pb
+from shoal.ps.ledger import BatchKey
+from shoal.ps.sparse import SparseGrad
+from shoal.ps.update import Update
+
+DTYPES = {"": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ENTRY_BYTES = 12                # an int64 index and an fp32 value
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An update's gradient as it travels: ``count`` elements in ``dtype``, or ``count`` entries."""
+
+    dtype: str
+    entries: bool
+    count: int
+    indices: torch.Tensor | None    # entries only
+    values: torch.Tensor            # the dense gradient in ``dtype``, or the entries' fp32 values
+
+    def chunk(self, off: int, n: int) -> bytes | memoryview:
+        """The bytes of elements (or entries) ``[off, off + n)``."""
+        if not self.entries:
+            return _bytes(self.values[off:off + n])
+        assert self.indices is not None
+        return b"".join((_bytes(self.indices[off:off + n]), _bytes(self.values[off:off + n])))
+
+    def body(self) -> bytes | memoryview:
+        return self.chunk(0, self.count)
+
+    @property
+    def itemsize(self) -> int:
+        return ENTRY_BYTES if self.entries else DTYPES[self.dtype].itemsize
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return frames.tensor_bytes(t.contiguous().view(torch.uint8))
+
+
+def encode(u: Update) -> Encoded:
+    """How ``u``'s gradient travels (module docstring): its entries, a narrower exact dtype, or fp32."""
+    if isinstance(u.grad, SparseGrad):
+        return Encoded("", True, u.grad.nnz, u.grad.indices, u.grad.values)
+    if u.exact in DTYPES and u.exact:
+        return Encoded(u.exact, False, u.grad.numel(), None, u.grad.to(DTYPES[u.exact]))
+    return Encoded("", False, u.grad.numel(), None, u.grad)
+
+
+def _header(shard: int, primary_id: str, u: Update, enc: Encoded, offset: int, n: int,
+            first: bool) -> pb.ReplicateHeader:
+    numel = u.grad.numel if isinstance(u.grad, SparseGrad) else u.grad.numel()
+    head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=offset, numel=n,
+                              shard_numel=numel, dtype=enc.dtype, entries=enc.entries,
+                              nnz=enc.count if enc.entries else 0, sparse=u.sparse)
+    if first:
+        head.hparams.update(dict(u.hparams))
+        head.keys.extend(u.keys)
+        head.workers.extend(u.workers)
+        head.batches.extend(pb.ReplicatedBatch(epoch=b.epoch, start=b.start, owner=o) for b, o in u.batches)
+    return head
+
+
+def update_message(shard: int, primary_id: str, u: Update) -> tuple[bytes, bytes | memoryview]:
+    """The update sent whole (the TCP data channel): its header's bytes and its body."""
+    enc = encode(u)
+    return _header(shard, primary_id, u, enc, 0, enc.count, True).SerializeToString(), enc.body()
+
+
+def update_header(shard: int, primary_id: str, u: Update) -> pb.ReplicateHeader:
+    """The header of an update sent whole."""
+    enc = encode(u)
+    return _header(shard, primary_id, u, enc, 0, enc.count, True)
+
+
+def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> list[bytes]:
+    """The update as gRPC frames of about ``chunk_bytes`` each; the first also carries keys, ledger
+    entries and workers."""
+    enc = encode(u)
+    per = max(1, chunk_bytes // enc.itemsize)
+    out, off = [], 0
+    while True:
+        n = min(per, enc.count - off)
+        out.append(frames.pack(_header(shard, primary_id, u, enc, off, n, off == 0), enc.chunk(off, n)))
+        off += n
+        if off >= enc.count:
+            return out
+
+
+class Incoming:
+    """One replicated update being received. Its first header's form is checked on construction;
+    :meth:`open` lets the caller refuse its sender (``check``) and only then allocates the buffer;
+    chunks must follow in order and fill it."""
+
+    def __init__(self, first: pb.ReplicateHeader):
+        if first.dtype not in DTYPES:
+            raise InvalidArgument(f"a replicated update in dtype {first.dtype!r}: not one of "
+                                  f"{sorted(k or 'fp32' for k in DTYPES)}")
+        if first.shard_numel < 0:
+            raise InvalidArgument(f"a replicated update for a shard of {first.shard_numel} elements")
+        if first.entries and (first.dtype or not 0 <= first.nnz <= first.shard_numel):
+            raise InvalidArgument(f"a replicated update of {first.nnz} {first.dtype or 'fp32'} entries for a "
+                                  f"shard of {first.shard_numel} elements: entries are fp32, at most one an element")
+        self.first = first
+        self.count = first.nnz if first.entries else first.shard_numel
+        self.itemsize = ENTRY_BYTES if first.entries else DTYPES[first.dtype].itemsize
+        self.covered = 0
+        self._raw: torch.Tensor | None = None
+
+    def open(self, check: Callable[[pb.ReplicateHeader], None] = lambda h: None) -> "Incoming":
+        """``check(first header)`` may refuse the update; then its buffer is allocated."""
+        check(self.first)
+        self._raw = torch.empty(self.count * self.itemsize, dtype=torch.uint8)
+        return self
+
+    @property
+    def body_bytes(self) -> int:
+        return self.count * self.itemsize
+
+    def whole(self) -> memoryview:
+        """Where a body sent whole goes (the TCP channel); counts it placed."""
+        if self.first.offset != 0 or self.first.numel != self.count:
+            raise InvalidArgument(f"a replicated update sent whole covers [{self.first.offset}, "
+                                  f"+{self.first.numel}) of {self.count}")
+        assert self._raw is not None, "open() first"
+        self.covered = self.count
+        return frames.tensor_bytes(self._raw)
+
+    def place(self, head: pb.ReplicateHeader, payload: memoryview) -> None:
+        """One gRPC frame's chunk, in order."""
+        f = self.first
+        if (head.shard, head.version, head.shard_numel, head.dtype, head.entries, head.nnz) != \
+                (f.shard, f.version, f.shard_numel, f.dtype, f.entries, f.nnz) \
+                or head.offset != self.covered or head.numel < 0 or head.offset + head.numel > self.count:
+            raise InvalidArgument(f"replicate chunk [{head.offset}, +{head.numel}) does not continue at "
+                                  f"{self.covered} of {self.count}")
+        assert self._raw is not None, "open() first"
+        item = self.itemsize
+        if len(payload) != head.numel * item:
+            raise InvalidArgument(f"replicate chunk of {len(payload)} bytes for {head.numel} "
+                                  f"{'entries' if f.entries else 'elements'}")
+        a, n = head.offset, head.numel
+        if f.entries:               # this chunk's indices, then its values
+            self._raw[8 * a:8 * (a + n)] = _view(payload[:8 * n])
+            self._raw[8 * self.count + 4 * a:8 * self.count + 4 * (a + n)] = _view(payload[8 * n:])
+        else:
+            self._raw[item * a:item * (a + n)] = _view(payload)
+        self.covered += n
+
+    def update(self) -> Update:
+        """The received update, once every chunk is in; a sparse one's indices are checked."""
+        f = self.first
+        if self._raw is None or self.covered != self.count:
+            raise InvalidArgument(f"replicated update covers {self.covered} of {self.count} "
+                                  f"{'entries' if f.entries else 'elements'}")
+        if f.entries:
+            idx = self._raw[:8 * self.count].view(torch.int64)
+            if len(idx) and not (int(idx[0]) >= 0 and int(idx[-1]) < f.shard_numel
+                                 and bool((idx[1:] > idx[:-1]).all())):
+                raise InvalidArgument("a replicated update's indices are not strictly increasing inside "
+                                      f"[0, {f.shard_numel})")
+            grad: torch.Tensor | SparseGrad = SparseGrad(idx, self._raw[8 * self.count:].view(torch.float32),
+                                                         f.shard_numel)
+        else:
+            grad = self._raw.view(DTYPES[f.dtype])
+            if f.dtype:
+                grad = grad.to(torch.float32)
+        batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in f.batches)
+        return Update(f.version, grad, tuple(f.keys), batches, tuple(f.workers), sparse=f.sparse,
+                      hparams=tuple(sorted(f.hparams.items())), exact=f.dtype)
+
+
+def _view(payload: bytes | memoryview) -> torch.Tensor:
+    return torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+
+
+def update_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.ReplicateHeader], None] = lambda h: None
+                       ) -> tuple[pb.ReplicateHeader, Update]:
+    """An update from its gRPC frames. ``check(first header)`` may refuse it before its gradient is
+    allocated; a malformed one is :class:`InvalidArgument` (a ``ValueError``)."""
+    incoming = None
+    for frame in frame_iter:
+        head, payload = frames.unpack(frame, pb.ReplicateHeader)
+        if incoming is None:
+            incoming = Incoming(head).open(check)
+        incoming.place(head, payload)
+    if incoming is None:
+        raise InvalidArgument("a replicated update of no frames")
+    return incoming.first, incoming.update()
