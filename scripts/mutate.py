@@ -79,6 +79,8 @@ MODULES: dict[str, list[str]] = {
     "ps/replication.py": [U + "test_replication_edges.py", U + "test_replication_order.py", U + "test_backup_recopy.py",
                           U + "test_no_backup_warning.py", I + "test_fencing.py", I + "test_tcp_channel.py",
                           I + "test_replication.py"],
+    "ps/update_wire.py": [U + "test_update_wire.py", U + "test_replication_edges.py", I + "test_tcp_channel.py",
+                          I + "test_replication.py"],           # added 2026-12-07
     "worker/trainer.py": [I + "test_trainer_mutants.py", I + "test_partial_refusal.py", I + "test_cluster.py"],
 }
 
