@@ -278,10 +278,7 @@ class DataChannelServer:
             raise _Refused(InvalidArgument(f"corrupt ReplicateHeader: {exc}")) from None
         try:        # the sender and the size, before the gradient is allocated
             incoming = Incoming(h)
-            if body_len != incoming.body_bytes or h.offset != 0 or h.numel != incoming.count:
-                raise InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}): "
-                                      f"sent whole, it must hold all {incoming.count} "
-                                      f"{'entries' if h.entries else 'elements'}, {incoming.body_bytes} bytes")
+            incoming.check_whole(body_len)
             target = incoming.open(lambda h: self.servicer.host.check_sender(h.shard, h.primary_id,
                                                                              h.shard_numel)).whole()
         except ShoalError as exc:

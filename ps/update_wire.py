@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from shoal import frames
@@ -71,7 +72,7 @@ def encode(u: Update) -> Encoded:
     """How ``u``'s gradient travels (module docstring): its entries, a narrower exact dtype, or fp32."""
     if isinstance(u.grad, SparseGrad):
         return Encoded("", True, u.grad.nnz, u.grad.indices, u.grad.values)
-    if u.exact in DTYPES and u.exact:
+    if u.exact:
         return Encoded(u.exact, False, u.grad.numel(), None, u.grad.to(DTYPES[u.exact]))
     return Encoded("", False, u.grad.numel(), None, u.grad)
 
@@ -94,12 +95,6 @@ def update_message(shard: int, primary_id: str, u: Update) -> tuple[bytes, bytes
     """The update sent whole (the TCP data channel): its header's bytes and its body."""
     enc = encode(u)
     return _header(shard, primary_id, u, enc, 0, enc.count, True).SerializeToString(), enc.body()
-
-
-def update_header(shard: int, primary_id: str, u: Update) -> pb.ReplicateHeader:
-    """The header of an update sent whole."""
-    enc = encode(u)
-    return _header(shard, primary_id, u, enc, 0, enc.count, True)
 
 
 def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> list[bytes]:
@@ -130,6 +125,8 @@ class Incoming:
         if first.entries and (first.dtype or not 0 <= first.nnz <= first.shard_numel):
             raise InvalidArgument(f"a replicated update of {first.nnz} {first.dtype or 'fp32'} entries for a "
                                   f"shard of {first.shard_numel} elements: entries are fp32, at most one an element")
+        if not first.entries and first.nnz:
+            raise InvalidArgument(f"a dense replicated update that names {first.nnz} entries")
         self.first = first
         self.count = first.nnz if first.entries else first.shard_numel
         self.itemsize = ENTRY_BYTES if first.entries else DTYPES[first.dtype].itemsize
@@ -146,11 +143,17 @@ class Incoming:
     def body_bytes(self) -> int:
         return self.count * self.itemsize
 
+    def check_whole(self, body_len: int) -> None:
+        """An update sent whole (the TCP channel) must cover everything its header counts, in ``body_len``
+        bytes; checked before :meth:`open`."""
+        h = self.first
+        if body_len != self.body_bytes or h.offset != 0 or h.numel != self.count:
+            raise InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}): sent "
+                                  f"whole, it must hold all {self.count} {'entries' if h.entries else 'elements'}, "
+                                  f"{self.body_bytes} bytes")
+
     def whole(self) -> memoryview:
-        """Where a body sent whole goes (the TCP channel); counts it placed."""
-        if self.first.offset != 0 or self.first.numel != self.count:
-            raise InvalidArgument(f"a replicated update sent whole covers [{self.first.offset}, "
-                                  f"+{self.first.numel}) of {self.count}")
+        """Where a body sent whole goes, once :meth:`check_whole` passed; counts it placed."""
         assert self._raw is not None, "open() first"
         self.covered = self.count
         return frames.tensor_bytes(self._raw)
@@ -160,7 +163,7 @@ class Incoming:
         f = self.first
         if (head.shard, head.version, head.shard_numel, head.dtype, head.entries, head.nnz) != \
                 (f.shard, f.version, f.shard_numel, f.dtype, f.entries, f.nnz) \
-                or head.offset != self.covered or head.numel < 0 or head.offset + head.numel > self.count:
+                or head.offset != self.covered or head.offset + head.numel > self.count:
             raise InvalidArgument(f"replicate chunk [{head.offset}, +{head.numel}) does not continue at "
                                   f"{self.covered} of {self.count}")
         assert self._raw is not None, "open() first"
@@ -184,10 +187,8 @@ class Incoming:
                                   f"{'entries' if f.entries else 'elements'}")
         if f.entries:
             idx = self._raw[:8 * self.count].view(torch.int64)
-            if len(idx) and not (int(idx[0]) >= 0 and int(idx[-1]) < f.shard_numel
-                                 and bool((idx[1:] > idx[:-1]).all())):
-                raise InvalidArgument("a replicated update's indices are not strictly increasing inside "
-                                      f"[0, {f.shard_numel})")
+            if not bool((idx[1:] > idx[:-1]).all()):
+                raise InvalidArgument("a replicated update's indices are not strictly increasing")
             grad: torch.Tensor | SparseGrad = SparseGrad(idx, self._raw[8 * self.count:].view(torch.float32),
                                                          f.shard_numel)
         else:
@@ -200,7 +201,7 @@ class Incoming:
 
 
 def _view(payload: bytes | memoryview) -> torch.Tensor:
-    return torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(np.frombuffer(payload, dtype=np.uint8))
 
 
 def update_from_frames(frame_iter: Iterator[bytes], check: Callable[[pb.ReplicateHeader], None] = lambda h: None

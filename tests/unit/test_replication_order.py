@@ -16,8 +16,12 @@ from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.host import ShardHost
 from shoal.ps.ledger import BatchKey
 from shoal.ps.replication import FENCED, replica_bytes
-from shoal.ps.update_wire import update_header
+from shoal.ps.update_wire import update_message
 from shoal.ps.shard import Shard
+
+
+def update_header(shard, primary_id, u):
+    return pb.ReplicateHeader.FromString(update_message(shard, primary_id, u)[0])
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})
 

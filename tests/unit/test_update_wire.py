@@ -4,6 +4,8 @@ its primary is, change log included; a body that disagrees with its header is re
 
 Pure state: encoders, a shard and its backup shard, a PushAssembly; no sockets.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -46,15 +48,17 @@ CASES = {                        # name: (update, the body's bytes)
     "entries": (update(a_sparse(), sparse=True), 12 * 37),
     "no entries": (update(SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0), N), sparse=True), 0),
     "sparse flag, dense": (update(randn(), sparse=True), 4 * N),
+    "every element an entry": (update(SparseGrad(torch.arange(N), randn(), N), sparse=True), 12 * N),
+    "an empty shard": (update(torch.empty(0)), 0),
 }
 
 
 def whole(u):
     head, body = update_message(0, "ps-a", u)
     h = pb.ReplicateHeader.FromString(head)
-    incoming = Incoming(h).open()
-    assert incoming.body_bytes == len(body)
-    incoming.whole()[:] = body
+    incoming = Incoming(h)
+    incoming.check_whole(len(body))
+    incoming.open().whole()[:] = body
     return incoming.update(), len(body)
 
 
@@ -94,11 +98,12 @@ def a_header(**kw):
 
 
 @pytest.mark.parametrize("head, why", [
-    (a_header(dtype="float64"), "dtype 'float64'"),
-    (a_header(dtype="bfloat16", entries=True, nnz=3, numel=3), "entries are fp32"),
+    (a_header(dtype="float64"), re.escape("dtype 'float64': not one of ['bfloat16', 'float16', 'fp32']")),
+    (a_header(dtype="bfloat16", entries=True, nnz=3, numel=3), "3 bfloat16 entries .* entries are fp32"),
+    (a_header(nnz=3), "a dense replicated update that names 3 entries"),
     (a_header(entries=True, nnz=N + 1, numel=N + 1), "at most one an element"),
     (a_header(entries=True, nnz=-1, numel=0), "at most one an element"),
-    (a_header(shard_numel=-4, numel=-4), "shard of -4"),
+    (a_header(shard_numel=-1, numel=-1), "shard of -1"),
 ])
 def test_a_header_that_cannot_describe_an_update_is_refused_before_anything_is_allocated(head, why):
     checked = []
@@ -108,15 +113,25 @@ def test_a_header_that_cannot_describe_an_update_is_refused_before_anything_is_a
 
 
 @pytest.mark.parametrize("indices, why", [([3, 2, 9], "strictly increasing"), ([1, 1, 9], "strictly increasing"),
-                                          ([1, 2, N], "inside"), ([-1, 2, 9], "inside")])
+                                          ([1, 5, 3], "strictly increasing"), ([1, 2, N], "inside"),
+                                          ([-1, 2, 9], "inside")])
 def test_entries_out_of_order_or_outside_the_shard_are_refused(indices, why):
     head = a_header(entries=True, nnz=3, numel=3, sparse=True)
     body = b"".join((frames.tensor_bytes(torch.tensor(indices, dtype=torch.int64)),
                      frames.tensor_bytes(torch.ones(3))))
-    incoming = Incoming(head).open()
-    incoming.whole()[:] = body
+    incoming = Incoming(head)
+    incoming.check_whole(len(body))
+    incoming.open().whole()[:] = body
     with pytest.raises(InvalidArgument, match=why):
         incoming.update()
+
+
+@pytest.mark.parametrize("head, body_len", [(a_header(), 4 * N - 4), (a_header(), 4 * N + 4), (a_header(offset=1), 4 * N),
+                                            (a_header(numel=N - 1), 4 * N), (a_header(dtype="bfloat16"), 4 * N),
+                                            (a_header(entries=True, nnz=3, numel=2), 36)])
+def test_an_update_sent_whole_must_cover_what_its_header_counts_in_the_bytes_it_says(head, body_len):
+    with pytest.raises(InvalidArgument, match="sent whole, it must hold all"):
+        Incoming(head).check_whole(body_len)
 
 
 def test_a_chunk_that_changes_the_encoding_midway_or_its_size_is_refused():
