@@ -212,10 +212,10 @@ class ChiefWatch:
 
     def _tb(self):
         if self._writer is None and self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from shoal.chief.tb_writer import EventWriter   # the tensorboard package, not torch's writer
 
             try:
-                self._writer = SummaryWriter(log_dir=str(Path(self.tensorboard) / "chief"), flush_secs=5)
+                self._writer = EventWriter(str(Path(self.tensorboard) / "chief"), flush_secs=5)
             except OSError as exc:      # once: the chief goes on without TensorBoard
                 log.warning("cannot write TensorBoard events under %s (%s); going on without them",
                             self.tensorboard, exc.strerror or exc)

@@ -16,15 +16,19 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, ShardPlan, TensorSpec
 from shoal.checkpoint_store import (FORMAT, MANIFEST, CheckpointWriter, PendingCheckpoint, ShardState,
                                        check_tiling, list_checkpoints, opt_state_from_flat, opt_state_to_flat,
                                        sha256_file)
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that load or build tensors: the chief opens checkpoints
+# (manifest, layout, sizes and sha256 of the shard files) through load_latest and never loads torch.
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,8 @@ class Checkpoint:
 
     def flat_values(self) -> torch.Tensor:
         """The whole flat fp32 model vector."""
+        import torch
+
         return torch.cat([self._payload(k)["values"] for k in range(self.num_shards)])
 
     def flat_optimizer(self) -> tuple[str, dict[str, float], dict[str, torch.Tensor], dict[str, float]]:
@@ -84,6 +90,8 @@ class Checkpoint:
         version among the saved shards it overlaps. ``extra`` is the saved shard's when
         unchanged, else ``{"resliced_from": [{"shard", "start", "stop", "extra"}, ...]}``.
         """
+        import torch
+
         if plan.numel != self.layout.numel:
             raise InvalidArgument(f"plan covers {plan.numel} elements, checkpoint {self.path} has {self.layout.numel}")
         if not 0 <= k < plan.num_shards:
@@ -123,6 +131,8 @@ class Checkpoint:
 
     def _payload(self, k: int) -> dict[str, Any]:
         if k not in self._payloads:
+            import torch
+
             entry = self._entries[k]
             path = self.path / entry["file"]
             try:
@@ -135,6 +145,8 @@ class Checkpoint:
 
 
 def _check_payload(ckpt: Path, entry: dict[str, Any], data: Any) -> None:
+    import torch
+
     n = int(entry["stop"]) - int(entry["start"])
     where = (entry["shard"], entry["start"], entry["stop"])
     ok = (isinstance(data, dict) and data.get("format") == FORMAT
@@ -153,6 +165,8 @@ def _merge(pieces: list[Piece], start: int, stop: int) -> tuple[dict[str, torch.
     (e.g. Adam's ``step`` after uneven async updates) take the value of the piece
     covering the most elements, with a warning.
     """
+    import torch
+
     keys = sorted({k for _, _, p in pieces for k in p["opt_tensors"]})
     tensors: dict[str, torch.Tensor] = {}
     for key in keys:
@@ -280,6 +294,8 @@ def export_to_file(ckpt_path_or_root: str | Path, out_path: str | Path) -> Path:
 
 def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path) -> tuple[Path, "Checkpoint"]:
     """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path)."""
+    import torch
+
     src = Path(ckpt_path_or_root)
     ckpt = open_checkpoint(src) if (src / MANIFEST).is_file() else load_latest(src)
     if ckpt is None:

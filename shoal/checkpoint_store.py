@@ -18,14 +18,17 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from shoal.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
 from shoal.layout import ModelLayout
-from shoal.optim import OPTIMIZERS
+
+if TYPE_CHECKING:
+    import torch
+
+# torch (and shoal.optim, which needs it) is imported inside the functions that touch tensors: the
+# chief commits manifests and prunes directories through this module and never loads torch.
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ def opt_state_to_flat(state_dict: Mapping[str, Any]) -> tuple[dict[str, torch.Te
     become flat fp32 tensors; 0-dim tensors and numbers (``step``) become floats;
     ``None`` entries (SGD without momentum) are dropped.
     """
+    import torch
+
     states = dict(state_dict.get("state", {}))
     groups = list(state_dict.get("param_groups", []))
     if len(states) > 1 or len(groups) > 1 or any(len(g.get("params", ())) != 1 for g in groups):
@@ -94,6 +99,10 @@ def opt_state_from_flat(name: str, tensors: Mapping[str, torch.Tensor], scalars:
     when present and simply absent otherwise. Empty tensors and scalars give the
     state of a fresh optimizer.
     """
+    import torch
+
+    from shoal.optim import OPTIMIZERS
+
     spec = OptimizerSpec.from_saved(name, dict(hparams))
     if spec.torch_class:        # the shard's own param groups hold the hyper-parameters
         group: dict[str, Any] = {"params": [0]}
@@ -131,6 +140,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor that owns exactly its elements (torch.save of a view saves the whole storage)."""
+    import torch
+
     t = t.detach().to("cpu", torch.float32)
     if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
@@ -171,6 +182,8 @@ class PendingCheckpoint:
 
     def write_shard(self, state: ShardState) -> None:
         """Saves one shard to ``shard-<k:05d>.pt`` (fsynced) and records its sha256 and size."""
+        import torch
+
         self._check_open()
         _validate_state(state)
         if state.shard in self._shards:
@@ -275,6 +288,8 @@ class PendingCheckpoint:
 
 
 def _validate_state(state: ShardState) -> None:
+    import torch
+
     if state.shard < 0 or not 0 <= state.start <= state.stop:
         raise InvalidArgument(f"shard {state.shard} has a bad range [{state.start}, {state.stop})")
     v = state.values

@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from shoal.errors import InvalidArgument
+
+if TYPE_CHECKING:   # torch is imported where a tensor is made, so the chief (layouts, no tensors) never loads it
+    import torch
 
 SUPPORTED_DTYPES = ("float32",)
 
@@ -106,6 +107,8 @@ class ModelLayout:
         if len(tensors) != len(self.specs):
             raise InvalidArgument(f"expected {len(self.specs)} tensors, got {len(tensors)}")
         if out is None:
+            import torch
+
             out = torch.empty(self.numel, dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
         for spec, off, t in zip(self.specs, self.offsets, tensors):
             if tuple(t.shape) != spec.shape:

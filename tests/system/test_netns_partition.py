@@ -59,7 +59,10 @@ def test_a_worker_cut_off_past_its_lease_is_dropped_requeued_and_rejoins(hosts, 
             start(ps, [*SHOAL, "ps", "--chief", chief, "--bind", f"{a[ps]}:0"])
         for w in ("w0", "w1"):
             start(w, [*SHOAL, "worker", "--chief", chief, DIGITS, "--epochs", "20", "--step-delay", "0.02"])
-        wait_until(lambda: status(hosts, chief)["totals"]["steps"] > 60, timeout_s=90, what="training")
+        # each poll is a new process in the chief's namespace (0.4 s of CPU for its imports): polled
+        # back to back, they take a core from the five roles still starting on a 2-core host
+        wait_until(lambda: status(hosts, chief)["totals"]["steps"] > 60, timeout_s=90, interval_s=0.5,
+                   what="training")
         hosts.cut("w1")
         t_cut = time.monotonic()
         log = logs["chief"]

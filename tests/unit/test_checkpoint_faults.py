@@ -9,7 +9,6 @@ import torch
 from test_checkpoint import SGD, Trained, _flip, save
 from test_checkpoint_cut import Job
 
-import shoal.checkpoint_store as store
 from shoal.checkpoint import list_checkpoints, load_latest, open_checkpoint
 from shoal.checkpoint_store import CheckpointWriter, ShardState, sha256_file
 from shoal.dataset import DatasetSpec
@@ -152,7 +151,7 @@ def test_a_disk_fault_mid_write_aborts_the_checkpoint_and_the_job_goes_on(tmp_pa
     first = j.cp.maybe_checkpoint()
     assert first is not None
 
-    real = store.torch.save
+    real = torch.save
     calls = {"n": 0}
 
     def fill_up(obj, f):                                   # the second shard file hits the fault half-written
@@ -162,7 +161,7 @@ def test_a_disk_fault_mid_write_aborts_the_checkpoint_and_the_job_goes_on(tmp_pa
             raise OSError(err, "injected: " + errno.errorcode[err])
         return real(obj, f)
 
-    monkeypatch.setattr(store.torch, "save", fill_up)
+    monkeypatch.setattr(torch, "save", fill_up)
     j.push(0, 2)
     j.push(1, 2)
     assert j.cp.maybe_checkpoint() is None
@@ -170,7 +169,7 @@ def test_a_disk_fault_mid_write_aborts_the_checkpoint_and_the_job_goes_on(tmp_pa
     assert names(tmp_path) == [first.name] and not list(tmp_path.glob(".tmp-ckpt-*"))
     assert load_latest(tmp_path).step == 2                # the partial one is never taken as valid
     assert all(s.push("w", s.version, torch.ones(s.numel)).accepted for s in j.shards)   # training goes on
-    monkeypatch.setattr(store.torch, "save", real)        # the disk has room again: the next one is written
+    monkeypatch.setattr(torch, "save", real)        # the disk has room again: the next one is written
     j.push(0, 1)
     j.push(1, 1)
     assert j.cp.maybe_checkpoint() is not None and load_latest(tmp_path).step == 6
