@@ -22,6 +22,8 @@ from shoal.ps.sparse import SparseGrad
 from shoal.ps.update import Update
 from shoal.ps.update_wire import Incoming, update_frames, update_from_frames, update_message
 
+from test_sparse_apply import _Servicer     # a servicer stand-in over one shard, for a PushAssembly
+
 N = 1000
 SGD = OptimizerSpec("sgd", {"lr": 0.37})
 RNG = np.random.default_rng(3)
@@ -200,27 +202,6 @@ def test_a_sync_round_of_two_bf16_pushes_is_their_average_and_travels_as_fp32():
     primary.set_live_workers({"a"})
     primary.push("a", 1, randn().bfloat16().float(), key="a1", exact="bfloat16")     # a round of one
     assert sent[1] == ("bfloat16", 2 * N) and primary.digest() == backup.digest()
-
-
-class _Host:
-    completed_epochs = 0
-
-    def __init__(self, s):
-        self.s = s
-
-    def get(self, shard):
-        return self.s
-
-    def count(self, **kw):
-        pass
-
-
-class _Servicer:
-    def __init__(self, s):
-        self.host = _Host(s)
-
-    def batches_of(self, head):
-        return ()
 
 
 @pytest.mark.parametrize("tags, exact", [(("bf16",), "bfloat16"), (("bf16", "bf16+lz4"), "bfloat16"),
