@@ -48,6 +48,9 @@ from _hosts import Placement, enter
 from _procs import CTX, Rank, roles
 
 
+BATCH = int(os.environ.get("SHOAL_BENCH_BATCH", "32"))   # --batch; spawned processes read it again
+
+
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False), torch.nn.ReLU(),
@@ -58,7 +61,7 @@ def _loop(step, seconds: float, warmup: int = 3, go_on=lambda in_time, n: in_tim
     """Steps per second over ``seconds`` after ``warmup`` steps. ``go_on(in_time, n)``: whether to take step
     ``n`` when the time is up or not (DDP's ranks agree on it, or one waits in an allreduce its
     peer never joins)."""
-    x, y = torch.randn(32, 2048), torch.randn(32, 2048)
+    x, y = torch.randn(BATCH, 2048), torch.randn(BATCH, 2048)
     for _ in range(warmup):
         step(x, y)
     n, start = 0, time.perf_counter()
@@ -69,14 +72,14 @@ def _loop(step, seconds: float, warmup: int = 3, go_on=lambda in_time, n: in_tim
 
 
 def _shoal_worker(namespace: str | None, index: int, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
-                  out: mp.Queue, push_window: int = 0, tasks: bool = False) -> None:
+                  out: mp.Queue, push_window: int = 0, tasks: bool = False, ahead: bool = False) -> None:
     enter(namespace)
     torch.set_num_threads(1)
     from shoal.worker import Trainer
 
     model = build()
     trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec, pull_codec=pull_codec,
-                      push_window=push_window)
+                      push_window=push_window, overlap_steps=ahead)
     barrier.wait()
 
     def step(x, y):
@@ -88,8 +91,8 @@ def _shoal_worker(namespace: str | None, index: int, chief: str, codec: str, pul
         # sync rounds wait for the busy workers, those holding a data task: without tasks every
         # push would close its own round. The same random batches, taken through the chief's tasks.
         g = torch.Generator().manual_seed(0)
-        data = (torch.randn(32 * 16, 2048, generator=g), torch.randn(32 * 16, 2048, generator=g))
-        batches = trainer.batches(data, batch_size=32, epochs=1000, batches_per_task=4)
+        data = (torch.randn(BATCH * 16, 2048, generator=g), torch.randn(BATCH * 16, 2048, generator=g))
+        batches = trainer.batches(data, batch_size=BATCH, epochs=1000, batches_per_task=4)
 
         def step(x, y):                                   # noqa: F811 - the sync variant
             xb, yb = next(batches)
@@ -138,13 +141,13 @@ def run_ddp(seconds: float, place: Placement, world: int = 2) -> float:
 
 def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, replicas: int = 1,
               workers: int = 2, ps: int = 2, num_shards: int | None = None, push_window: int = 0,
-              mode: str = "async") -> tuple[tuple, dict]:
+              mode: str = "async", ahead: bool = False) -> tuple[tuple, dict]:
     """(steps/s, push bytes/step, pull bytes/step) averaged over the workers, and the cores each
     process used in the middle of the timed window."""
     with _procs.start_servers(place, ps, mode, replicas, num_shards) as servers:
         out, barrier = CTX.Queue(), CTX.Barrier(workers + 1)
         procs = _procs.start_workers(_shoal_worker, place, workers, servers.chief, codec, pull_codec, seconds,
-                                     barrier, out, push_window, mode == "sync")
+                                     barrier, out, push_window, mode == "sync", ahead)
         barrier.wait()
         pids = _procs.shoal_pids(servers, procs)
         time.sleep(seconds * 0.25)            # past the warm-up steps
@@ -159,6 +162,7 @@ def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, rep
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--batch", type=int, default=32, help="samples per step and process (compute per step)")
     p.add_argument("--codecs", nargs="+", default=["none", "fp16", "bf16", "int8", "topk", "sign", "topk+lz4"],
                    help="gradient codecs; CODEC/PULL (e.g. bf16/bf16) also pulls the weights in PULL")
     p.add_argument("--also", nargs="*", default=["bf16/bf16", "topk/bf16"],
@@ -177,10 +181,14 @@ def main() -> None:
                    help="shards (blocks) of the model, one case per value (default: one per server)")
     p.add_argument("--push-window", type=int, nargs="+", default=[0],
                    help="pushes unanswered at once per worker (0: all at once), one case per value")
-    p.add_argument("--pipelines", nargs="+", metavar="SHARDS:WINDOW", default=None,
-                   help="(shards, window) pairs to run instead of every --num-shards x --push-window pair")
+    p.add_argument("--pipelines", nargs="+", metavar="SHARDS:WINDOW[:ahead]", default=None,
+                   help="(shards, window) pairs to run instead of every --num-shards x --push-window pair; "
+                        "':ahead' overlaps each step with the next (Trainer(overlap_steps=True))")
     args = p.parse_args()
     args.ps = args.ps or args.workers
+    os.environ["SHOAL_BENCH_BATCH"] = str(args.batch)      # before any process starts
+    global BATCH
+    BATCH = args.batch
     args.num_shards = args.num_shards or [args.ps]
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -188,38 +196,47 @@ def main() -> None:
         run_cases(args, place)
 
 
+def _pipeline(pair: str) -> tuple[int, int, bool]:
+    """``SHARDS:WINDOW`` or ``SHARDS:WINDOW:ahead`` (overlapped steps)."""
+    parts = pair.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "ahead"):
+        raise SystemExit(f"--pipelines takes SHARDS:WINDOW or SHARDS:WINDOW:ahead, got {pair!r}")
+    return int(parts[0]), int(parts[1]), len(parts) == 3
+
+
 def run_cases(args: argparse.Namespace, place: Placement) -> None:
     """Each round runs DDP and then every case; a case's ratio is to the DDP of its own round, and the
     median over rounds is reported (this host's speed drifts by a third between minutes)."""
     link = {"link": args.link or "loopback"}
-    pipes = [(n, w) for n in args.num_shards for w in args.push_window] if not args.pipelines else \
-        [tuple(int(v) for v in pair.split(":")) for pair in args.pipelines]
-    cases = [(c, 1, m, n, w) for c in args.codecs + args.also for m in args.security for n, w in pipes] + \
-        [(c, 2, m, n, w) for c in args.replicated for m in args.security for n, w in pipes]
+    pipes = [(n, w, False) for n in args.num_shards for w in args.push_window] if not args.pipelines else \
+        [_pipeline(pair) for pair in args.pipelines]
+    cases = [(c, 1, m, *pipe) for c in args.codecs + args.also for m in args.security for pipe in pipes] + \
+        [(c, 2, m, *pipe) for c in args.replicated for m in args.security for pipe in pipes]
     ddp_rates: list[float] = []
     runs: dict[tuple, list] = {case: [] for case in cases}
     for _ in range(args.rounds):
         ddp = run_ddp(args.seconds, place, args.workers)
         ddp_rates.append(ddp)
         for case in cases:
-            spec, replicas, mode, shards, window = case
+            spec, replicas, mode, shards, window, ahead = case
             codec, _, pull_codec = spec.partition("/")
             _security.use(mode)
             (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas,
-                                                      args.workers, args.ps, shards, window, args.mode)
+                                                      args.workers, args.ps, shards, window, args.mode, ahead)
             runs[case].append((rate / ddp, rate, pushed, pulled, cores))
         _security.use("none")
     print(json.dumps({"case": "ddp-gloo", "workers": args.workers, **link,
                       "steps_per_s": round(statistics.median(ddp_rates), 2),
                       "steps_per_s_per_round": [round(r, 2) for r in ddp_rates]}), flush=True)
-    for (spec, replicas, mode, shards, window), results in runs.items():
+    for (spec, replicas, mode, shards, window, ahead), results in runs.items():
         codec, _, pull_codec = spec.partition("/")
         name = f"shoal-{args.mode}-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
             ("-replicated" if replicas == 2 else "") + ("" if mode == "none" else f"-{mode}") + \
-            (f"-shards{shards}" if shards != args.ps else "") + (f"-window{window}" if window else "")
+            (f"-shards{shards}" if shards != args.ps else "") + (f"-window{window}" if window else "") + \
+            ("-ahead" if ahead else "")
         ratio, rate, pushed, pulled, cores = sorted(results, key=lambda r: r[0])[len(results) // 2]
         print(json.dumps({"case": name, "workers": args.workers, "ps": args.ps, "shards": shards,
-                          "push_window": window, "replicas": replicas, **link,
+                          "push_window": window, "overlap_steps": ahead, "replicas": replicas, **link,
                           "steps_per_s": round(rate, 2), "push_bytes_per_step": int(pushed),
                           "pull_bytes_per_step": int(pulled), "ratio_vs_ddp": round(ratio, 2),
                           "ratio_per_round": [round(r[0], 2) for r in results], "cores_used": cores}), flush=True)
