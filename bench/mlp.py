@@ -1,4 +1,4 @@
-"""Dense benchmark: two 2048x2048 linear layers (no bias, ReLU between), batch 32, random data.
+"""Dense benchmark: two 2048x2048 linear layers (no bias, ReLU between), batch 32 (--batch), random data.
 
 2 workers and 2 parameter servers in async mode (shards not replicated, as DDP
 keeps no second copy; ``--replicated`` codecs run once more with replicas), one case per compressor,
@@ -72,14 +72,14 @@ def _loop(step, seconds: float, warmup: int = 3, go_on=lambda in_time, n: in_tim
 
 
 def _shoal_worker(namespace: str | None, index: int, chief: str, codec: str, pull_codec: str, seconds: float, barrier,
-                  out: mp.Queue, push_window: int = 0, tasks: bool = False, ahead: bool = False) -> None:
+                  out: mp.Queue, push_window: int = 0, tasks: bool = False) -> None:
     enter(namespace)
     torch.set_num_threads(1)
     from shoal.worker import Trainer
 
     model = build()
     trainer = Trainer(model, chief=chief, optimizer="sgd", lr=1e-4, compression=codec, pull_codec=pull_codec,
-                      push_window=push_window, overlap_steps=ahead)
+                      push_window=push_window)
     barrier.wait()
 
     def step(x, y):
@@ -141,13 +141,13 @@ def run_ddp(seconds: float, place: Placement, world: int = 2) -> float:
 
 def run_shoal(codec: str, pull_codec: str, seconds: float, place: Placement, replicas: int = 1,
               workers: int = 2, ps: int = 2, num_shards: int | None = None, push_window: int = 0,
-              mode: str = "async", ahead: bool = False) -> tuple[tuple, dict]:
+              mode: str = "async") -> tuple[tuple, dict]:
     """(steps/s, push bytes/step, pull bytes/step) averaged over the workers, and the cores each
     process used in the middle of the timed window."""
     with _procs.start_servers(place, ps, mode, replicas, num_shards) as servers:
         out, barrier = CTX.Queue(), CTX.Barrier(workers + 1)
         procs = _procs.start_workers(_shoal_worker, place, workers, servers.chief, codec, pull_codec, seconds,
-                                     barrier, out, push_window, mode == "sync", ahead)
+                                     barrier, out, push_window, mode == "sync")
         barrier.wait()
         pids = _procs.shoal_pids(servers, procs)
         time.sleep(seconds * 0.25)            # past the warm-up steps
@@ -181,9 +181,8 @@ def main() -> None:
                    help="shards (blocks) of the model, one case per value (default: one per server)")
     p.add_argument("--push-window", type=int, nargs="+", default=[0],
                    help="pushes unanswered at once per worker (0: all at once), one case per value")
-    p.add_argument("--pipelines", nargs="+", metavar="SHARDS:WINDOW[:ahead]", default=None,
-                   help="(shards, window) pairs to run instead of every --num-shards x --push-window pair; "
-                        "':ahead' overlaps each step with the next (Trainer(overlap_steps=True))")
+    p.add_argument("--pipelines", nargs="+", metavar="SHARDS:WINDOW", default=None,
+                   help="(shards, window) pairs to run instead of every --num-shards x --push-window pair")
     args = p.parse_args()
     args.ps = args.ps or args.workers
     os.environ["SHOAL_BENCH_BATCH"] = str(args.batch)      # before any process starts
@@ -196,19 +195,20 @@ def main() -> None:
         run_cases(args, place)
 
 
-def _pipeline(pair: str) -> tuple[int, int, bool]:
-    """``SHARDS:WINDOW`` or ``SHARDS:WINDOW:ahead`` (overlapped steps)."""
-    parts = pair.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "ahead"):
-        raise SystemExit(f"--pipelines takes SHARDS:WINDOW or SHARDS:WINDOW:ahead, got {pair!r}")
-    return int(parts[0]), int(parts[1]), len(parts) == 3
+def _pipeline(pair: str) -> tuple[int, int]:
+    """``SHARDS:WINDOW``, e.g. ``32:2``."""
+    try:
+        shards, window = (int(v) for v in pair.split(":"))
+    except ValueError:
+        raise SystemExit(f"--pipelines takes SHARDS:WINDOW (e.g. 32:2), got {pair!r}") from None
+    return shards, window
 
 
 def run_cases(args: argparse.Namespace, place: Placement) -> None:
     """Each round runs DDP and then every case; a case's ratio is to the DDP of its own round, and the
     median over rounds is reported (this host's speed drifts by a third between minutes)."""
     link = {"link": args.link or "loopback"}
-    pipes = [(n, w, False) for n in args.num_shards for w in args.push_window] if not args.pipelines else \
+    pipes = [(n, w) for n in args.num_shards for w in args.push_window] if not args.pipelines else \
         [_pipeline(pair) for pair in args.pipelines]
     cases = [(c, 1, m, *pipe) for c in args.codecs + args.also for m in args.security for pipe in pipes] + \
         [(c, 2, m, *pipe) for c in args.replicated for m in args.security for pipe in pipes]
@@ -218,25 +218,24 @@ def run_cases(args: argparse.Namespace, place: Placement) -> None:
         ddp = run_ddp(args.seconds, place, args.workers)
         ddp_rates.append(ddp)
         for case in cases:
-            spec, replicas, mode, shards, window, ahead = case
+            spec, replicas, mode, shards, window = case
             codec, _, pull_codec = spec.partition("/")
             _security.use(mode)
             (rate, pushed, pulled), cores = run_shoal(codec, pull_codec or "none", args.seconds, place, replicas,
-                                                      args.workers, args.ps, shards, window, args.mode, ahead)
+                                                      args.workers, args.ps, shards, window, args.mode)
             runs[case].append((rate / ddp, rate, pushed, pulled, cores))
         _security.use("none")
     print(json.dumps({"case": "ddp-gloo", "workers": args.workers, **link,
                       "steps_per_s": round(statistics.median(ddp_rates), 2),
                       "steps_per_s_per_round": [round(r, 2) for r in ddp_rates]}), flush=True)
-    for (spec, replicas, mode, shards, window, ahead), results in runs.items():
+    for (spec, replicas, mode, shards, window), results in runs.items():
         codec, _, pull_codec = spec.partition("/")
         name = f"shoal-{args.mode}-{codec}" + (f"-pull-{pull_codec}" if pull_codec else "") + \
             ("-replicated" if replicas == 2 else "") + ("" if mode == "none" else f"-{mode}") + \
-            (f"-shards{shards}" if shards != args.ps else "") + (f"-window{window}" if window else "") + \
-            ("-ahead" if ahead else "")
+            (f"-shards{shards}" if shards != args.ps else "") + (f"-window{window}" if window else "")
         ratio, rate, pushed, pulled, cores = sorted(results, key=lambda r: r[0])[len(results) // 2]
         print(json.dumps({"case": name, "workers": args.workers, "ps": args.ps, "shards": shards,
-                          "push_window": window, "overlap_steps": ahead, "replicas": replicas, **link,
+                          "push_window": window, "replicas": replicas, **link,
                           "steps_per_s": round(rate, 2), "push_bytes_per_step": int(pushed),
                           "pull_bytes_per_step": int(pulled), "ratio_vs_ddp": round(ratio, 2),
                           "ratio_per_round": [round(r[0], 2) for r in results], "cores_used": cores}), flush=True)

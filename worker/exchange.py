@@ -100,8 +100,7 @@ class ShardExchange:
         :meth:`_push_then_pull` for why a late worker must not wait for rounds).
         """
         if self.mode != "sync":
-            if self._ahead is None:     # overlapped steps start their pulls once the step's pushes are in
-                self._early_pulls[shard] = self._pool.submit(self._pull_shard, shard, reply.version, True)
+            self._early_pulls[shard] = self._pool.submit(self._pull_shard, shard, reply.version, True)
         elif self.push_window and reply.accepted and not reply.duplicate and not self._step_late.is_set():
             sent = self._sent.get(shard)
             if sent is None:
@@ -131,9 +130,6 @@ class ShardExchange:
                     self.push_orders = (self.push_orders + [order])[-8:]
             self.clock.pushed_at = time.perf_counter()
             pulls, self._early_pulls = self._early_pulls, {}
-            if self.mode != "sync" and self._ahead is not None:
-                self._pull_ahead(replies)
-                return replies
             if self.mode != "sync":
                 for k, r in replies.items():
                     if k not in pulls:
@@ -158,20 +154,6 @@ class ShardExchange:
             return replies
         finally:
             self._step_late.clear()
-
-    def _pull_ahead(self, replies: dict[int, pb.PushReply]) -> None:
-        """Overlapped steps (worker/ahead.py): the step before's pulls become the weights the next step
-        computes on, and this step's pulls start, to land while it runs."""
-        self._ahead.wait()
-        self._ahead.adopt()
-        order = [k for k in (self.push_orders[-1] if self.push_orders else []) if k in replies]
-        order += [k for k in replies if k not in order]
-        lanes = self._ahead.lanes(order, self.push_window)
-        self._ahead.start({k: self._pool.submit(self._pull_lane, lane, replies) for k, lane in lanes.items()})
-
-    def _pull_lane(self, shards: list[int], replies: dict[int, pb.PushReply]) -> None:
-        for k in shards:
-            self._pull_shard(k, replies[k].version, True)
 
     def _gather_grads(self) -> None:
         """Copies any gradient autograd did not accumulate in place into the flat buffer."""
@@ -386,6 +368,6 @@ class ShardExchange:
                     if not reply.accepted and not reply.duplicate:   # the new primary closed that round
                         min_version = min(min_version, reply.version)
         self.staging.land(shard)
-        (self.versions if self._ahead is None else self._ahead.landed)[shard] = version
+        self.versions[shard] = version
         self._held[shard] = version
         self._count(pulled=got)

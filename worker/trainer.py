@@ -30,7 +30,6 @@ from shoal.members import Counters
 from shoal.memory import tune_malloc
 from shoal.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb
-from shoal.worker.ahead import PullsAhead, overlap_from
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size
 from shoal.worker.exchange import BatchContext, SentPush, ShardExchange
@@ -84,8 +83,6 @@ class Trainer(ShardExchange):
     (:mod:`shoal.worker.momentum`). ``push_window`` (default ``$SHOAL_PUSH_WINDOW`` or 0: no limit): at
     most this many shard pushes unanswered at once, each shard's pull starting when its push is
     answered (:mod:`shoal.worker.pipeline`; for slow links, with more shards than servers).
-    ``overlap_steps`` (default ``$SHOAL_OVERLAP_STEPS``; async and ssp, CPU): a step returns once its
-    pushes are answered and the next one computes while its pulls land (:mod:`shoal.worker.ahead`).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None,
@@ -93,7 +90,7 @@ class Trainer(ShardExchange):
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
                  ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None, push_window: int | None = None,
-                 overlap_steps: bool | None = None, **hparams: float):
+                 **hparams: float):
         tune_malloc()
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
@@ -147,23 +144,13 @@ class Trainer(ShardExchange):
         self.mode = view.job.mode
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
         self._bind_flat_buffers()
+        self.staging = Staging(self.flat_weights, self.flat_grads, self.plan.ranges)
         self.routes = ShardRoutes(self.chief, view, self._client, lambda: self.chief.member_id)
         self._clients = self.routes.clients
-        self.versions = {k: 0 for k in self._clients}
-        try:
-            ahead = overlap_from(overlap_steps, self.mode, self.device)
-        except InvalidArgument:         # leave the job at once, not when the chief's lease runs out
-            self._closed = True
-            self.telemetry.close()
-            self.chief.leave()
-            self.routes.close()
-            self.chief.close()
-            raise
-        self._ahead = PullsAhead(self.flat_weights, self.plan.ranges, self.versions) if ahead else None
-        self.staging = Staging(self._ahead.landing if ahead else self.flat_weights, self.flat_grads, self.plan.ranges)
         self.delta_pulls = delta_pulls
         self._held: dict[int, int] = {}     # shard -> the version whose weights its pull buffer holds
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self._clients) + 1, thread_name_prefix="shard")  # pushes+pulls
+        self.versions = {k: 0 for k in self._clients}
         self.step_count = 0
         self._step_versions = dict(self.versions)
         self._sent: dict[int, SentPush] = {}
@@ -174,8 +161,6 @@ class Trainer(ShardExchange):
                                         self._launch_push) if overlap else None
         self._started = False
         self._initialise_or_pull()
-        if self._ahead is not None:
-            self._ahead.adopt()
         self._follow_shards()
         self.staging.before_compute()
         self.buffers.load(self.flat_weights)       # the job's buffers, not this process's fresh ones
@@ -351,11 +336,7 @@ class Trainer(ShardExchange):
 
     def pull(self) -> None:
         """Refreshes the local weights from every shard (e.g. before evaluating)."""
-        if self._ahead is not None:
-            self._ahead.wait()
         list(self._pool.map(self._pull_shard, self._clients))
-        if self._ahead is not None:
-            self._ahead.adopt()
         self.staging.before_compute()
         self.buffers.load(self.flat_weights)
 
@@ -485,12 +466,6 @@ class Trainer(ShardExchange):
             return
         self._closed = True
         _LIVE.discard(self)
-        if self._ahead is not None and self._ahead.pending:   # the last step's pulls: the model ends current
-            try:
-                self._ahead.wait()
-                self._ahead.adopt()
-            except (grpc.RpcError, OSError) as exc:
-                log.warning("the last step's pulls did not land (%s): the model holds the weights before them", exc)
         self.telemetry.close()
         feed, self._feed = self._feed, None
         if feed is not None:            # a sampler's: report the tasks it finished before leaving
