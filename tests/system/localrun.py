@@ -73,12 +73,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_worker(tmp_path: Path, name: str, *script_args: str) -> subprocess.Popen:
-    """A worker joining the running job from outside the supervisor."""
-    address = (tmp_path / "run" / "chief.address").read_text()
+def prewarmed_worker(tmp_path: Path, name: str, *script_args: str) -> tuple[subprocess.Popen, Path]:
+    """A worker that imports now and joins a job from outside its supervisor once :func:`let_in` opens the
+    returned gate (tests/system/prewarmed.py); ``<gate>.ready`` appears when its imports are done."""
+    gate = tmp_path / f"{name}.go"
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([*SHOAL, "worker", "--chief", address, DIGITS, *script_args],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("prewarmed.py")), str(gate), "worker",
+                             "--chief", "@gate", DIGITS, *script_args], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=tmp_path)
+    return proc, gate
+
+
+def let_in(tmp_path: Path, gate: Path) -> None:
+    """Lets a :func:`prewarmed_worker` join the running job (its chief's address, written whole)."""
+    part = gate.with_suffix(".part")
+    part.write_text((tmp_path / "run" / "chief.address").read_text())
+    part.rename(gate)
 
 
 def kill_and_await_restart(tmp_path: Path, role: str, timeout_s: float = 30.0) -> int:
