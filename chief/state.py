@@ -18,6 +18,7 @@ from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, TensorSpec
+from shoal.loglines import log_burst
 from shoal.members import Counters, Member, MemberState, Role
 from shoal.view import Route, View
 
@@ -106,8 +107,7 @@ class ChiefState:
         if self.job.replicas < 2:
             return
         live = [m.member_id for m in self.members.alive(Role.PS)]
-        for line in placement.assign_backups(self.routing, self.backups, self.complete, live):
-            log.info("%s", line)
+        log_burst(log, placement.assign_backups(self.routing, self.backups, self.complete, live))
 
     def rebalance(self) -> bool:
         """Places free shards, refills backups and moves primaries off overloaded servers
@@ -130,8 +130,7 @@ class ChiefState:
         self.placed.update(self.routing)
         # the ticker comes back while shards wait for their placement or a checkpoint holds the moves
         self._unsettled = bool(lines) or self.moves_held > 0 or len(self.placed) < self.job.num_shards
-        for line in lines:
-            log.info("%s", line)
+        log_burst(log, lines)
         if lines:
             self._changed("placement: " + "; ".join(lines))
         return bool(lines)
@@ -232,20 +231,24 @@ class ChiefState:
             self.tasks.release(m.member_id)
             return
         # graceful: the ps left on purpose (SIGTERM, the end of the job): its backups hold every update it
-        # acknowledged, so promoting them is a planned hand-over, not a failover
+        # acknowledged, so promoting them is a planned hand-over, not a failover. Its routine lines (one a
+        # shard) are logged together at the end, hand-overs first, folded when there are many
+        handed, gone, let_go = [], [], []
         for k in [k for k, mid in self.backups.items() if mid == m.member_id]:
             del self.backups[k]
             self.complete.pop(k, None)
-            log.log(logging.INFO if graceful else logging.WARNING, "shard %d %s its backup %s", k,
-                    "let go of" if graceful else "lost", m.member_id)
+            if graceful:
+                let_go.append(f"shard {k} let go of its backup {m.member_id}")
+            else:
+                log.warning("shard %d lost its backup %s", k, m.member_id)
         for k in [k for k, mid in self.routing.items() if mid == m.member_id]:
             backup = self.backups.pop(k, None)
             whole = backup is not None and self.complete.pop(k, None) == backup
             if whole or (backup is not None and self.job.recovery == "fast" and not graceful):
                 self.routing[k] = backup
                 if graceful:
-                    log.info("shard %d: its primary %s left; handed over to (promoted its backup) %s", k,
-                             m.member_id, backup)
+                    handed.append(f"shard {k}: its primary {m.member_id} left; handed over to (promoted its "
+                                  f"backup) {backup}")
                 else:
                     log.warning("shard %d lost its primary %s; promoted its backup %s", k, m.member_id, backup)
                 if not whole:
@@ -256,7 +259,7 @@ class ChiefState:
             else:
                 del self.routing[k]
                 if graceful:       # a ps stopped on purpose (the job is being shut down)
-                    log.info("shard %d: its last copy left with %s", k, m.member_id)
+                    gone.append(f"shard {k}: its last copy left with {m.member_id}")
                 else:
                     self.lost.append(k)
                     why = (f"its backup {backup} had not finished receiving its copy" if backup is not None
@@ -271,6 +274,7 @@ class ChiefState:
                         log.warning("shard %d: --recovery fast goes on; the next ps to take it starts from the "
                                     "newest checkpoint or a worker's weights, and the updates it held since "
                                     "are lost", k)
+        log_burst(log, handed + gone + let_go)
         self.in_sync.pop(m.member_id, None)
         self._assign_backups()
         self.rebalance()

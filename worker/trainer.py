@@ -26,6 +26,7 @@ from shoal.dataset import DatasetSpec, Task
 from shoal.errors import FailedPrecondition, InvalidArgument, Refused, Unreachable
 from shoal.jobfile import job_from_env
 from shoal.layout import ModelLayout, ShardPlan
+from shoal.loglines import log_burst
 from shoal.members import Counters
 from shoal.memory import tune_malloc
 from shoal.rpc import with_retries
@@ -245,6 +246,8 @@ class Trainer(ShardExchange):
         self.device = device
 
     def _initialise_or_pull(self) -> None:
+        created: list[int] = []
+
         def one(shard: int) -> None:
             a, b = self.plan.ranges[shard]
             try:
@@ -263,10 +266,11 @@ class Trainer(ShardExchange):
                         raise
                     self.routes.reroute(shard, client, exc)
             if reply.created:
-                log.info("initialised shard %d from this worker's weights", shard)
+                created.append(shard)
             self._pull_shard(shard)
 
         list(self._pool.map(one, self._clients))
+        log_burst(log, [f"initialised shard {k} from this worker's weights" for k in sorted(created)])
 
     def _follow_shards(self) -> None:
         """Applies what each shard's optimizer leaves to the workers (``worker_momentum``, ``worker_beta2``)."""
