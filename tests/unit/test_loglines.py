@@ -1,6 +1,8 @@
 """A burst of per-shard lines: a few as they are, many folded into one (every line still at debug)."""
 import logging
 
+from shoal.chief.state import ChiefState
+from shoal.config import JobConfig
 from shoal.loglines import log_burst
 
 
@@ -30,3 +32,22 @@ def test_at_info_a_long_burst_shows_one_line(caplog):
     caplog.set_level(logging.INFO, logger="shoal.test")
     assert len(records(caplog, [f"line {i}" for i in range(5)])) == 1
     assert len(records(caplog, [f"line {i}" for i in range(5)], limit=5)) == 5
+
+
+def test_a_chief_placing_many_shards_and_a_server_leaving_with_them_say_so_in_one_line_each(caplog, clock):
+    caplog.set_level(logging.INFO, logger="shoal.chief.state")
+    s = ChiefState(JobConfig(num_shards=16, lease_seconds=1.0), clock)
+    servers = [s.join_ps(f"h:{i}")[0] for i in range(2)]
+    for _ in range(3):              # past a lease since the last join (the servers beating): the rest are placed
+        clock.advance(0.6)
+        for p in servers:
+            s.heartbeat(p.member_id)
+        s.tick()
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shoal.chief.state"]
+    assert any("and" in line and "more like them" in line for line in info), info
+    assert len(info) <= 6, info     # not one line per shard
+    caplog.clear()
+    s.leave(servers[0].member_id)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shoal.chief.state"]
+    # (no backup reported a whole copy in this pure state: every shard ps-0 held leaves with it)
+    assert len(info) == 1 and "its last copy left with ps-0" in info[0] and "more like them" in info[0], info
