@@ -17,6 +17,7 @@ import torch
 
 from shoal.config import JobConfig, OptimizerSpec
 from shoal.errors import HANDED_OVER, NOT_PRIMARY, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from shoal.loglines import log_burst
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import rule_for
 from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, replica_from_bytes
@@ -246,9 +247,11 @@ class ShardHost:
 
     def _apply_routes(self, routes: list[pb.ShardRoute], dropped: list[Shard]) -> list[tuple[Replicator, str, str]]:
         """Roles from the view (lock held); returns the replicators to aim, outside the lock, and adds the
-        copies it drops to ``dropped`` (to be fenced outside the lock)."""
+        copies it drops to ``dropped`` (to be fenced outside the lock). Its routine lines, one a shard (a
+        planned promotion, a copy dropped on purpose), are logged together, folded when there are many."""
         targets = []
         named = set()
+        routine: list[str] = []
         for route in routes:
             k = route.shard
             named.add(k)
@@ -257,7 +260,7 @@ class ShardHost:
                 if self.roles.get(k) == BACKUP and k in self.shards:
                     self.promotions += 1
                     # info: the chief warns when it is a failover; a planned hand-over is routine
-                    log.info("shard %d: promoted to primary at version %d", k, self.shards[k].version)
+                    routine.append(f"shard {k}: promoted to primary at version {self.shards[k].version}")
                 self.assigned.add(k)
                 self.roles[k] = PRIMARY
                 s = self.shards.get(k)
@@ -270,7 +273,7 @@ class ShardHost:
                     r = self.replicators.get(k)
                     planned = r is not None and r.state == "in_sync" and r.backup == route.primary_id
                     dropped += self._drop_copy(k, f"the view names {route.primary_id} primary and this ps its "
-                                                  f"backup", planned=planned)
+                                                  f"backup", routine, planned=planned)
                 self.roles[k] = BACKUP
             elif k in self.shards or k in self.roles:
                 r = self.replicators.get(k)
@@ -278,11 +281,14 @@ class ShardHost:
                 # step (the chief's rebalancing, chief/placement.py): routine
                 planned = self.roles.get(k) == BACKUP or (
                     r is not None and r.state == "in_sync" and r.backup == route.primary_id)
-                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary", planned=planned)
+                dropped += self._drop_copy(k, f"the view names {route.primary_id} primary", routine, planned=planned)
+        log_burst(log, routine)
         return targets
 
-    def _drop_copy(self, shard: int, why: str, planned: bool = False) -> list[Shard]:
+    def _drop_copy(self, shard: int, why: str, routine: list[str], planned: bool = False) -> list[Shard]:
         """Forgets this process's copy of ``shard`` (lock held); returns it, to be fenced (:meth:`Shard.fence`).
+        A copy dropped on purpose (a planned move, this ps leaving) adds its line to ``routine``; any other
+        drop is a warning, logged at once.
 
         The flag goes up first and the replicator closes next, so an update on its way to the backup
         raises instead of being applied here (a closed replicator never reads as "no backup")."""
@@ -297,9 +303,12 @@ class ShardHost:
         self.assigned.discard(shard)
         if s is None:
             return []
-        log.log(logging.INFO if self.leaving or planned else logging.WARNING,
-                "shard %d: dropping this copy (version %d): %s%s", shard, s.version, why,
-                " (a planned move)" if planned else "")
+        line = f"shard {shard}: dropping this copy (version {s.version}): {why}" + \
+            (" (a planned move)" if planned else "")
+        if self.leaving or planned:
+            routine.append(line)
+        else:
+            log.warning("%s", line)
         return [s]
 
     def close(self) -> None:

@@ -51,3 +51,27 @@ def test_a_chief_placing_many_shards_and_a_server_leaving_with_them_say_so_in_on
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shoal.chief.state"]
     # (no backup reported a whole copy in this pure state: every shard ps-0 held leaves with it)
     assert len(info) == 1 and "its last copy left with ps-0" in info[0] and "more like them" in info[0], info
+
+
+def test_a_server_leaving_with_many_copies_says_so_in_one_line(caplog):
+    import torch
+
+    from shoal.config import OptimizerSpec
+    from shoal.proto import shoal_pb2 as pb
+    from shoal.ps.host import ShardHost
+
+    host = ShardHost()
+    host.member_id = "ps-a"
+    try:
+        for k in range(8):
+            host.assign(k, JobConfig(mode="async", num_shards=8))
+            host.create(k, torch.zeros(4), OptimizerSpec("sgd", {"lr": 1.0}), "fp")
+        host.leaving = True
+        caplog.set_level(logging.INFO, logger="shoal.ps.host")
+        host.set_view(frozenset(), 0, [pb.ShardRoute(shard=k, primary_id="ps-b", primary_address="h:2")
+                                       for k in range(8)])
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shoal.ps.host"]
+        assert len(lines) == 1 and lines[0][0] == logging.INFO, lines
+        assert lines[0][1].startswith("shard 0: dropping this copy") and "and 6 more like them" in lines[0][1]
+    finally:
+        host.close()
