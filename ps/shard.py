@@ -151,6 +151,8 @@ class Shard(ShardCopies):
                     b = applied[0]
                     return PushResult(False, self.version, f"batch {b.epoch}/{b.start} was applied by push "
                                       f"{owners[b]}", duplicate=True, applied=applied)
+                if worker not in self._clocks:      # pushing before the view that names it reached this shard
+                    self._clocks[worker] = self._clock_floor()
                 verdict = Admission(Action.WAIT, f"shard {self.shard_id} is frozen at version {self.version} for "
                                     f"a checkpoint") if self._holding() else \
                     self.rule.admit(PushContext(worker, version, self.version, self._round_workers,
@@ -217,11 +219,17 @@ class Shard(ShardCopies):
             self._live = frozenset(workers)
             if self.version == 0:
                 self._pushed |= self._live
-            floor = min((self._clocks[w] for w in self._live if w in self._clocks), default=0)
+            floor = self._clock_floor()
             for w in self._live:
                 self._clocks.setdefault(w, floor)   # a newcomer starts level with the slowest
             self._close_round_quietly()
             self._cond.notify_all()
+
+    def _clock_floor(self) -> int:
+        """ssp: where a newcomer's clock starts (lock held): level with the slowest live worker. One that
+        started at 0 on a shard whose clock the others had moved far on held them all back there, and
+        itself waited on a shard that had it level: a deadlock (tests/system/test_elastic.py, ssp)."""
+        return min((self._clocks[w] for w in self._live if w in self._clocks), default=0)
 
     def _expected(self) -> frozenset[str]:
         """The workers an open round waits for (lock held): busy ones that have pushed here before."""
