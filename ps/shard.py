@@ -336,8 +336,8 @@ class Shard(ShardCopies):
             self._keys.popitem(last=False)
         for b, owner in u.batches:
             self.ledger.record(b, owner)
-        for w in u.workers:
-            self._clocks[w] = self._clocks.get(w, 0) + 1
+        for w in u.workers:     # a backup that has not heard of w yet starts it where its primary did
+            self._clocks[w] = (self._clocks[w] if w in self._clocks else self._clock_floor()) + 1
         self._snapshots.clear()
         self._cond.notify_all()
 

@@ -28,3 +28,17 @@ def test_a_newcomer_the_view_names_first_starts_there_too():
         s.push("a", s.version, ones(0), wait_s=0)
     s.set_live_workers({"a", "c"})
     assert s.worker_clocks() == {"a": 5, "c": 5}
+
+
+def test_a_backup_that_has_not_heard_of_the_newcomer_counts_it_as_its_primary_does():
+    primary, backup = shard(SSPRule(2)), shard(SSPRule(2))
+    updates = []
+    primary.replicator = updates.append
+    for s in (primary, backup):
+        s.set_live_workers({"a"})
+    for _ in range(5):
+        primary.push("a", primary.version, ones(0), wait_s=0)
+    primary.push("c", primary.version, ones(0), wait_s=0)     # neither copy's view names c yet
+    for u in updates:
+        backup.apply_replica(u)
+    assert backup.worker_clocks() == primary.worker_clocks() == {"a": 5, "c": 6}
