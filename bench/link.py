@@ -60,15 +60,15 @@ def _peer(namespace: str | None, size: int, send: bool, receive: bool, ports: mp
     server.close()
 
 
-def exchange(place: Placement, size: int, both: bool) -> float:
+def exchange(place: Placement, size: int, both: bool, a_role: str = "a", b_role: str = "b") -> float:
     """Seconds until SIZE bytes crossed a->b (and b->a at the same time when ``both``)."""
     qa, qb, to_a, to_b, out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
-    a = CTX.Process(target=_peer, args=(place.namespace("a"), size, True, both, qa, to_a, out))
-    b = CTX.Process(target=_peer, args=(place.namespace("b"), size, both, True, qb, to_b, out))
+    a = CTX.Process(target=_peer, args=(place.namespace(a_role), size, True, both, qa, to_a, out))
+    b = CTX.Process(target=_peer, args=(place.namespace(b_role), size, both, True, qb, to_b, out))
     a.start()
     b.start()
-    to_a.put((place.address("b"), qb.get(timeout=60)))
-    to_b.put((place.address("a"), qa.get(timeout=60)))
+    to_a.put((place.address(b_role), qb.get(timeout=60)))
+    to_b.put((place.address(a_role), qa.get(timeout=60)))
     seconds = max(out.get(timeout=300), out.get(timeout=300))
     a.join(60)
     b.join(60)
