@@ -57,13 +57,14 @@ def build() -> torch.nn.Module:
                                torch.nn.Linear(2048, 2048, bias=False))
 
 
-def _loop(step, seconds: float, warmup: int = 3, go_on=lambda in_time, n: in_time) -> float:
+def _loop(step, seconds: float, warmup: int = 3, go_on=lambda in_time, n: in_time, on_start=lambda: None) -> float:
     """Steps per second over ``seconds`` after ``warmup`` steps. ``go_on(in_time, n)``: whether to take step
     ``n`` when the time is up or not (DDP's ranks agree on it, or one waits in an allreduce its
-    peer never joins)."""
+    peer never joins). ``on_start()`` runs when the timed steps begin."""
     x, y = torch.randn(BATCH, 2048), torch.randn(BATCH, 2048)
     for _ in range(warmup):
         step(x, y)
+    on_start()
     n, start = 0, time.perf_counter()
     while go_on(time.perf_counter() - start < seconds, n):
         step(x, y)
@@ -100,11 +101,13 @@ def _shoal_worker(namespace: str | None, index: int, chief: str, codec: str, pul
             F.mse_loss(model(xb), yb).backward()
             trainer.step()
 
-    rate = _loop(step, seconds)
+    before = []                                           # the bytes of the timed steps only, not the first pull's
+    rate = _loop(step, seconds, on_start=lambda: before.append(trainer.counters.to_dict()))
     if tasks:
         batches.close()
-    c = trainer.counters
-    out.put((rate, c.bytes_pushed / max(1, c.steps), c.bytes_pulled / max(1, c.steps)))
+    c, b = trainer.counters, before[0]
+    steps = max(1, c.steps - b["steps"])
+    out.put((rate, (c.bytes_pushed - b["bytes_pushed"]) / steps, (c.bytes_pulled - b["bytes_pulled"]) / steps))
     trainer.close()
 
 
