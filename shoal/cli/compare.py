@@ -272,7 +272,7 @@ def add_parser(sub, job_args) -> None:
     p.add_argument("--modes", nargs="+", default=["sync", "async"], help=f"modes to compare: {', '.join(MODES)}")
     p.add_argument("--codecs", nargs="+", default=["none"], help="gradient codecs to compare (none, bf16, topk, ...)")
     p.add_argument("--ps", type=int, default=2, help="parameter servers (= shards)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="workers in each run (default 2)")
     p.add_argument("--budget", default=None, help="stop each run after this long (60s, 5m): workers take no "
                                                    "more tasks, then evaluate and report")
     p.add_argument("--epochs", type=int, default=None, help="passed to the script as --epochs N")

@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--num-shards", type=int, default=None,
                            help="parameter shards (default: one per server); the chief spreads them over the "
                                 "servers, at most ceil(shards / servers) primaries each")
-            p.add_argument("--workers", type=int, default=2)
+            p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
             p.add_argument("--summary", help="write a JSON run summary here when training ends")
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
             p.add_argument("--config", help=_CONFIG_HELP)
@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
             _checkpoint_args(p)
         security.add_token_arg(p)
         p.add_argument("--compression", default=None, help="gradient codec, e.g. none, bf16, topk, sign+lz4")
-        p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"))
+        p.add_argument("--pull-codec", default=None, choices=("none", "fp16", "bf16"),
+                       help="codec of weight pulls: bf16 or fp16 halve their bytes (default none)")
         p.add_argument("--transport", default=None, choices=("tcp", "grpc"),
                        help="carry pushes and pulls over the parameter servers' TCP data channel (tcp, the "
                             "default, when they offer one) or over gRPC")
