@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup proto run test test-fast clean mutate
+.PHONY: setup proto run test test-fast clean mutate docs
 
 # Installs every Python and Debian package the project and its tests need.
 setup: $(STAMP)
@@ -30,6 +30,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m 'not system'
+
+# Builds the documentation site into build/site (strict: a broken link, a missing page or an undocumented
+# public name fails it; no network needed). Open build/site/index.html, or serve it: $(VENV)/bin/mkdocs serve
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Mutation testing of the invariant-carrying modules (scripts/mutate.py; hours for all of them on 2 cores).
 # Not part of test. MODULES="ps/ledger.py chief/tasks.py" picks some; MUTATE_ARGS="--resume" goes on.

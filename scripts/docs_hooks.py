@@ -8,7 +8,7 @@ Generated at build time, never written by hand:
   ``alerts`` thresholds (``shoal.alerts.AlertConfig``);
 - ``reference/metrics.md``: every Prometheus metric, from the registry in ``shoal/metrics.py`` and the
   state gauges the chief and the parameter servers yield at scrape time;
-- ``benchmarks/index.md`` and ``benchmarks/NOTEBOOK.md``: ``bench/RESULTS.md`` and ``bench/NOTEBOOK.md``
+- ``benchmarks/RESULTS.md`` and ``benchmarks/NOTEBOOK.md``: ``bench/RESULTS.md`` and ``bench/NOTEBOOK.md``
   as they are in the repository (those files stay where the figures are recorded).
 
 In strict mode (``mkdocs build --strict``, ``make docs``, ``tests/unit/test_docs.py``) every warning logged
@@ -195,6 +195,7 @@ def check_api_docstrings() -> None:
         module = loader.load(module_name)
         for name in names:
             obj = module[name]
+            obj = obj.final_target if obj.is_alias else obj         # shoal.worker re-exports its classes
             if not obj.docstring:
                 log.warning("public name %s.%s has no docstring", module_name, name)
             if obj.is_class:
@@ -215,6 +216,6 @@ def on_files(files: Files, config) -> Files:
     for dest, content in (("reference/cli.md", cli_reference()), ("reference/job-file.md", job_file_reference()),
                           ("reference/metrics.md", metric_reference())):
         files.append(File.generated(config, dest, content=content))
-    files.append(_repo_file(config, "benchmarks/index.md", ROOT / "bench" / "RESULTS.md"))
+    files.append(_repo_file(config, "benchmarks/RESULTS.md", ROOT / "bench" / "RESULTS.md"))
     files.append(_repo_file(config, "benchmarks/NOTEBOOK.md", ROOT / "bench" / "NOTEBOOK.md"))
     return files

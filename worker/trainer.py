@@ -217,6 +217,7 @@ class Trainer(ShardExchange):
 
     @property
     def member_id(self) -> str:
+        """The name the chief gave this worker when it joined (``worker-1``: what ``shoal status`` shows)."""
         return self.chief.member_id
 
     @property

@@ -305,7 +305,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Elastic parameter servers for PyTorch.")
-    parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"))
+    parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"),
+                        help="debug, info (default, or $SHOAL_LOG_LEVEL), warning or error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     commands = parser.commands = sub.choices   # name -> sub-parser: the job file and TF_CONFIG fill defaults
