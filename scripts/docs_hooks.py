@@ -18,6 +18,9 @@ without help text, a job-file key without what it allows, a metric without a des
 ``shoal.worker``, ``shoal.chief`` and ``shoal.ps`` live in their own folders (``pyproject.toml``'s
 ``package-dir``), which griffe's static loader cannot follow; the hook lays a tree of symbolic links
 shaped like the installed package under ``build/docs-src`` for mkdocstrings to read (no import, no torch).
+It holds what the API reference shows and no more (``shoal/__init__.py`` and ``shoal.worker``): griffe
+reads every module of a package it is given, and the whole of shoal with its generated protocol costs
+seconds a build. A name from elsewhere in shoal added to the reference needs its folder added here.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import ast
 import dataclasses
 import logging
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +39,8 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.plugins.shoal")
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_TREE = ROOT / "build" / "docs-src"          # mkdocs.yml: mkdocstrings' python handler reads it
-_SUBPACKAGES = {"chief": "chief", "ps": "ps", "worker": "worker", "proto": "proto"}   # pyproject's package-dir
+_SUBPACKAGES = {"worker": "worker"}            # pyproject's package-dir: shoal.worker is the folder worker/
+_TOP_FILES = ("__init__.py",)                  # of shoal/ itself
 
 # the public surface the API reference shows: module -> the names whose docstrings must exist
 API_SURFACE = {
@@ -45,14 +50,13 @@ API_SURFACE = {
 
 
 def lay_source_tree(root: Path = ROOT, dest: Path = SOURCE_TREE) -> Path:
-    """``dest/shoal`` as the installed package looks: ``shoal/*`` plus ``worker/`` etc. as sub-packages (links)."""
+    """``dest/shoal`` as the installed package looks, as far as the API reference reads it (links)."""
     pkg = dest / "shoal"
     if dest.exists():
         shutil.rmtree(dest)
     pkg.mkdir(parents=True)
-    for entry in (root / "shoal").iterdir():
-        if entry.name != "__pycache__":
-            (pkg / entry.name).symlink_to(entry)
+    for name in _TOP_FILES:
+        (pkg / name).symlink_to(root / "shoal" / name)
     for name, folder in _SUBPACKAGES.items():
         (pkg / name).symlink_to(root / folder)
     return dest
@@ -119,7 +123,7 @@ def job_file_reference() -> str:
     for path, key in KEYS.items():
         if not key.allowed:
             log.warning("job-file key %s says nothing of what is allowed (shoal/jobfile.py KEYS)", path)
-        commands = ", ".join(key.commands) if key.commands else ("every role" if key.dests else "generators, `shoal local`")
+        commands = ", ".join(key.commands) if key.commands else ("each with the flag" if key.dests else "file only")
         lines.append(f"| `{path}` | {key.kind} | {key.allowed.replace('|', '/')} | {_flags(key.dests)} | "
                      f"{'`' + key.env_name() + '`' if key.env_name() else ''} | {commands} |")
     for field in dataclasses.fields(AlertConfig):
@@ -154,6 +158,17 @@ def _state_gauges() -> list[tuple[str, str, list[str], str]]:
     return found
 
 
+def _metric_sections(path: Path) -> dict[str, str]:
+    """metric name -> who updates it, from the ``# ---- <who>: ...`` comment above it in shoal/metrics.py."""
+    owner, found = "", {}
+    for line in path.read_text().splitlines():
+        if line.startswith("# ---- "):
+            owner = line[len("# ---- "):].split(":")[0].strip()
+        elif owner and (m := re.search(r'^[A-Z_]+ = (?:Counter|Gauge|Histogram)\("(shoal_[a-z_]+)"', line)):
+            found[m.group(1).removesuffix("_total")] = owner
+    return found
+
+
 def metric_reference() -> str:
     from prometheus_client import Counter, Gauge, Histogram
 
@@ -165,6 +180,7 @@ def metric_reference() -> str:
              "`--metrics-port` ([Monitoring](../monitoring.md#prometheus)).", "",
              "| metric | type | labels | what | from |", "|---|---|---|---|---|"]
     kinds = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
+    sections = _metric_sections(Path(metrics.__file__))
     for obj in vars(metrics).values():
         kind = next((k for cls, k in kinds.items() if isinstance(obj, cls)), None)
         if kind is None:
@@ -173,9 +189,7 @@ def metric_reference() -> str:
         if not obj._documentation:
             log.warning("metric %s has no description (shoal/metrics.py)", name)
         labels = ", ".join(f"`{label}`" for label in obj._labelnames)
-        source = "every server" if name.startswith("shoal_rpc") else (
-            "chief" if obj in (metrics.CHECKPOINT_SECONDS, metrics.LEASE_EXPIRATIONS, metrics.FAILOVERS,
-                               metrics.VIEW_CHANGES) else "worker")
+        source = sections.get(obj._name, "")
         if obj is metrics.ALERTS:
             source = "worker (loss, gradient), chief (worker behind)"
         lines.append(f"| `{name}` | {kind} | {labels} | {obj._documentation} | {source} |")
