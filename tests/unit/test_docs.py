@@ -14,23 +14,31 @@ from pathlib import Path
 
 import pytest
 
-mkdocs_config = pytest.importorskip("mkdocs.config")
-from mkdocs.commands.build import build  # noqa: E402
-from mkdocs.exceptions import Abort  # noqa: E402
+import mkdocs.config as mkdocs_config
+from mkdocs.commands.build import build
+from mkdocs.exceptions import Abort
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 
 def _build(tmp_path: Path, config_file: Path) -> Path:
-    os.environ["NO_MKDOCS_2_WARNING"] = "1"
+    """``mkdocs build --strict`` into ``tmp_path/site`` (as ``make docs``, without Material's notice)."""
     site = tmp_path / "site"
-    cfg = mkdocs_config.load_config(config_file=str(config_file), site_dir=str(site), strict=True)
-    cfg.plugins.on_startup(command="build", dirty=False)
+    saved = os.environ.get("NO_MKDOCS_2_WARNING")
+    os.environ["NO_MKDOCS_2_WARNING"] = "1"
     try:
-        build(cfg)
+        cfg = mkdocs_config.load_config(config_file=str(config_file), site_dir=str(site), strict=True)
+        cfg.plugins.on_startup(command="build", dirty=False)
+        try:
+            build(cfg)
+        finally:
+            cfg.plugins.on_shutdown()
     finally:
-        cfg.plugins.on_shutdown()
+        if saved is None:
+            os.environ.pop("NO_MKDOCS_2_WARNING", None)
+        else:
+            os.environ["NO_MKDOCS_2_WARNING"] = saved
     return site
 
 
