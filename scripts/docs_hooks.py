@@ -207,6 +207,9 @@ def check_api_docstrings() -> None:
     loader = griffe.GriffeLoader(search_paths=[str(SOURCE_TREE)])
     for module_name, names in API_SURFACE.items():
         module = loader.load(module_name)
+        for name in sorted(set(module.exports or ()) - set(names)):
+            log.warning("public name %s.%s (in __all__) is missing from the API reference "
+                        "(scripts/docs_hooks.py API_SURFACE, docs/reference/api.md)", module_name, name)
         for name in names:
             obj = module[name]
             obj = obj.final_target if obj.is_alias else obj         # shoal.worker re-exports its classes
@@ -219,6 +222,16 @@ def check_api_docstrings() -> None:
                         continue
                     if not member.docstring:
                         log.warning("public name %s.%s.%s has no docstring", module_name, name, member_name)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """The API page renders every name of :data:`API_SURFACE` (``::: module.name``)."""
+    if page.file.src_uri == "reference/api.md":
+        for module_name, names in API_SURFACE.items():
+            for name in names:
+                if not re.search(rf"^::: {re.escape(module_name)}\.{re.escape(name)}\s*$", markdown, re.M):
+                    log.warning("docs/reference/api.md does not render %s.%s", module_name, name)
+    return markdown
 
 
 def _repo_file(config, dest: str, source: Path) -> File:

@@ -110,6 +110,8 @@ def test_a_broken_link_a_missing_page_and_an_undocumented_public_name_each_fail_
         doc_start = text.index('"""', text.index("def set_epoch"))
         doc_end = text.index('"""', doc_start + 3) + 3
         sampler.write_text(text[:doc_start] + "pass" + text[doc_end:])
+        with open(tree / "worker" / "__init__.py", "a") as f:
+            f.write("\nExtra = Trainer\n__all__ = [*__all__, 'Extra']\n")
 
     config = _broken_tree(tmp_path, change)
     with caplog.at_level(logging.WARNING), pytest.raises(Abort):
@@ -117,6 +119,7 @@ def test_a_broken_link_a_missing_page_and_an_undocumented_public_name_each_fail_
     assert "'no-such-page.md'" in caplog.text
     assert "'security.md' is included in the 'nav'" in caplog.text
     assert "DistributedSampler.set_epoch has no docstring" in caplog.text
+    assert "public name shoal.worker.Extra (in __all__) is missing from the API reference" in caplog.text
 
 
 def test_the_readme_is_short_and_starts_with_the_two_commands():
