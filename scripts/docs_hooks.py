@@ -207,7 +207,7 @@ def check_api_docstrings() -> None:
     loader = griffe.GriffeLoader(search_paths=[str(SOURCE_TREE)])
     for module_name, names in API_SURFACE.items():
         module = loader.load(module_name)
-        for name in sorted(set(module.exports or ()) - set(names)):
+        for name in sorted({str(n) for n in module.exports or ()} - set(names)):
             log.warning("public name %s.%s (in __all__) is missing from the API reference "
                         "(scripts/docs_hooks.py API_SURFACE, docs/reference/api.md)", module_name, name)
         for name in names:

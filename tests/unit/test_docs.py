@@ -111,7 +111,7 @@ def test_a_broken_link_a_missing_page_and_an_undocumented_public_name_each_fail_
         doc_end = text.index('"""', doc_start + 3) + 3
         sampler.write_text(text[:doc_start] + "pass" + text[doc_end:])
         with open(tree / "worker" / "__init__.py", "a") as f:
-            f.write("\nExtra = Trainer\n__all__ = [*__all__, 'Extra']\n")
+            f.write("\nExtra = Trainer\n__all__ += ['Extra']\n")
 
     config = _broken_tree(tmp_path, change)
     with caplog.at_level(logging.WARNING), pytest.raises(Abort):
