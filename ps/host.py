@@ -89,6 +89,7 @@ class ShardHost:
         s.set_live_workers(self.live_workers)
         if self.job is not None:
             s.nonfinite = self.job.nonfinite
+            s.set_guard(self.job)
         self.shards[s.shard_id] = s
         self.roles[s.shard_id] = role
         if role == PRIMARY:

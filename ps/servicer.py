@@ -351,6 +351,8 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                                       for e in s.ledger_summary()], worker_clocks=s.worker_clocks(),
                               backup=r.backup if r else "", backup_state=r.state if r else "none",
                               promotions=self.host.promotions, nonfinite_refused=s.nonfinite_counts(),
+                              guard_refused=s.guard_counts(), rolled_back=s.guard.refusals.rolled_back,
+                              expelled=sorted(s.guard.refusals.expelled),
                               optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
                                                            hparams=dict(s.optimizer_spec.hparams),
                                                            spec_json=s.optimizer_spec.to_json()))

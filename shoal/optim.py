@@ -107,6 +107,7 @@ class ShardOptimizer:
             self._index[gi] = len(torch_param_groups)
             torch_param_groups.append({**hparams, "params": views})
         self._segments.sort(key=lambda s: s[0])
+        self._saved: Saved | None = None
         try:
             self._opt = cls(torch_param_groups) if torch_param_groups else None
         except (ValueError, TypeError) as exc:
@@ -167,6 +168,59 @@ class ShardOptimizer:
         sel.add_(vals, alpha=-self._opt.param_groups[0]["lr"])
         flat.index_copy_(0, idx, sel)
         return True
+
+    def save(self, indices: torch.Tensor | None = None) -> "Saved":
+        """What a step may change, copied, for :meth:`restore` (``indices``: those elements only, for a
+        sparse step, which touches nothing else). A dense save reuses the buffers of the last one."""
+        flat = self._flat.detach()
+        if indices is not None:
+            saved = Saved(indices)
+            saved.tensors["param"] = flat.index_select(0, indices)
+            return saved
+        saved = self._saved = self._saved or Saved()
+        saved.begin()
+        saved.take("param", flat)
+        if self._opt is not None:
+            for i, (_, _, view) in enumerate(self._segments):
+                for key, val in self._opt.state.get(view, {}).items():
+                    if isinstance(val, torch.Tensor):
+                        saved.take(f"{i}/{key}", val)
+        return saved
+
+    def restore(self, saved: "Saved") -> None:
+        """Puts back what :meth:`save` copied: the weights and the optimizer's state (the hyper-parameters
+        are the caller's to put back)."""
+        flat = self._flat.detach()
+        if saved.indices is not None:
+            flat.index_copy_(0, saved.indices, saved.tensors["param"])
+            return
+        flat.copy_(saved.tensors["param"])
+        if self._opt is None:
+            return
+        for i, (_, _, view) in enumerate(self._segments):
+            st = self._opt.state.get(view)
+            if not st:
+                continue
+            for key in list(st):
+                if not isinstance(st[key], torch.Tensor):
+                    continue
+                kept = saved.tensors.get(f"{i}/{key}")
+                if kept is None:          # created by this step (the first): the state did not exist
+                    del st[key]
+                else:
+                    st[key].copy_(kept)
+            if not st:
+                del self._opt.state[view]
+
+    def finite(self, indices: torch.Tensor | None = None) -> bool:
+        """Whether every weight (``indices``: those) and every element of the optimizer's state is finite."""
+        flat = self._flat.detach()
+        if not _finite(flat if indices is None else flat.index_select(0, indices)):
+            return False
+        if indices is not None or self._opt is None:
+            return True
+        return all(_finite(val) for _, _, view in self._segments
+                   for val in self._opt.state.get(view, {}).values() if isinstance(val, torch.Tensor))
 
     def check_hparams(self, values: Mapping[str, float]) -> None:
         """InvalidArgument unless :meth:`set_hparams` would take every one of ``values``."""
@@ -267,6 +321,35 @@ class ShardOptimizer:
                     st[key] = torch.tensor(float(val), dtype=torch.float32)
             if st:
                 self._opt.state[view] = st
+
+
+class Saved:
+    """Copies of a step's inputs (:meth:`ShardOptimizer.save`), in buffers kept for the next save."""
+
+    def __init__(self, indices: torch.Tensor | None = None):
+        self.indices = indices
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}
+
+    def begin(self) -> None:
+        """A new save: the buffers of the last one are reused for the entries taken again."""
+        self._spare, self.tensors = self.tensors, {}
+
+    def take(self, key: str, t: torch.Tensor) -> None:
+        buf = self._spare.pop(key, None)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = t.detach().clone()
+        else:
+            buf.copy_(t.detach())
+        self.tensors[key] = buf
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """One reduction: a sum is finite only if every term is (NaN and Inf propagate; an overflow of finite
+    terms then pays for the exact test)."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def numeric_hparams(groups) -> dict[str, float]:

@@ -52,6 +52,13 @@ def _die_with_parent() -> None:
 
 
 @dataclass(frozen=True)
+
+def guard_flags(job: JobConfig) -> list[str]:
+    """The update guard's settings as the chief's flags (ps/guard.py)."""
+    return ["--lr-factor", repr(job.lr_factor), "--grad-norm-factor", repr(job.grad_norm_factor),
+            "--grad-norm-policy", job.grad_norm_policy, "--grad-norm-warmup", str(job.grad_norm_warmup),
+            "--expel-after", str(job.expel_after)]
+
 class LocalConfig:
     script: str
     script_args: tuple[str, ...] = ()
@@ -219,7 +226,7 @@ class LocalCluster:
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
-                                      "--nonfinite", job.nonfinite,
+                                      "--nonfinite", job.nonfinite, *guard_flags(job),
                                       "--journal", str(self._new_journal()), *self._checkpoint_args(),
                                       *(["--config", self.cfg.config] if self.cfg.config else []),
                                       *observe.local_role_flags(self.cfg, "chief", 0)])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources
+from shoal.config import GRAD_NORM_POLICY, MODES, NONFINITE, RECOVERY, JobConfig, from_sources
 from shoal.cli import compose, k8s
 from shoal.cli.sources import add_commands as add_source_commands, apply_sources, autoscale_policy, export_job_file
 from shoal.jobfile import load_job
@@ -45,6 +45,17 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonfinite", choices=NONFINITE, default=None,
                    help="a gradient holding NaN/Inf is never applied: refuse (default; the worker fails after "
                         "a few in a row), skip (counted in shoal status) or stop (the worker fails at once)")
+    p.add_argument("--lr-factor", type=float, default=None,
+                   help="update guard: a push may carry a learning rate of at most this times the job's (default 10)")
+    p.add_argument("--grad-norm-factor", type=float, default=None,
+                   help="update guard: a push's gradient norm at most this times the shard's running median "
+                        "(default 10; 0: off)")
+    p.add_argument("--grad-norm-policy", choices=GRAD_NORM_POLICY, default=None,
+                   help="a push beyond --grad-norm-factor: refuse (default; the batch is trained again) or clip")
+    p.add_argument("--grad-norm-warmup", type=int, default=None,
+                   help="accepted pushes per shard before the running median is trusted (default 20)")
+    p.add_argument("--expel-after", type=int, default=None,
+                   help="a worker with this many refused updates in a row is expelled (default 10; 0: never)")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
@@ -53,7 +64,9 @@ def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards,
                              "replicas": args.replicas, "recovery": args.recovery,
-                             "nonfinite": args.nonfinite})
+                             "nonfinite": args.nonfinite, "lr_factor": args.lr_factor,
+                             "grad_norm_factor": args.grad_norm_factor, "grad_norm_policy": args.grad_norm_policy,
+                             "grad_norm_warmup": args.grad_norm_warmup, "expel_after": args.expel_after})
 
 
 _CHIEF_HELP = "the chief's HOST:PORT (default $SHOAL_CHIEF, the job file's cluster.chief or TF_CONFIG)"
