@@ -66,18 +66,20 @@ class JobConfig(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., recovery: _Optional[str] = ..., nonfinite: _Optional[str] = ..., guard: _Optional[_Union[UpdateGuard, _Mapping]] = ...) -> None: ...
 
 class UpdateGuard(_message.Message):
-    __slots__ = ("lr_factor", "grad_norm_factor", "grad_norm_policy", "grad_norm_warmup", "expel_after")
+    __slots__ = ("lr_factor", "grad_norm_factor", "grad_norm_policy", "grad_norm_warmup", "expel_after", "require_batch")
     LR_FACTOR_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FACTOR_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_POLICY_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_WARMUP_FIELD_NUMBER: _ClassVar[int]
     EXPEL_AFTER_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_BATCH_FIELD_NUMBER: _ClassVar[int]
     lr_factor: float
     grad_norm_factor: float
     grad_norm_policy: str
     grad_norm_warmup: int
     expel_after: int
-    def __init__(self, lr_factor: _Optional[float] = ..., grad_norm_factor: _Optional[float] = ..., grad_norm_policy: _Optional[str] = ..., grad_norm_warmup: _Optional[int] = ..., expel_after: _Optional[int] = ...) -> None: ...
+    require_batch: bool
+    def __init__(self, lr_factor: _Optional[float] = ..., grad_norm_factor: _Optional[float] = ..., grad_norm_policy: _Optional[str] = ..., grad_norm_warmup: _Optional[int] = ..., expel_after: _Optional[int] = ..., require_batch: _Optional[bool] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("steps", "samples", "bytes_pushed", "bytes_pulled")

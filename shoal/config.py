@@ -44,6 +44,7 @@ class JobConfig:
     grad_norm_policy: str = "refuse"  # beyond it: refuse (the batch is trained again) | clip (scaled down)
     grad_norm_warmup: int = 20        # accepted pushes per shard before the median is trusted
     expel_after: int = 10             # guard refusals in a row that expel a worker; 0: never
+    require_batch: bool = False       # every push names a batch of a task its sender holds (shoal local --secure)
 
 
     def __post_init__(self) -> None:

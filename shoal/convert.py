@@ -38,7 +38,8 @@ def job_to_pb(job: JobConfig) -> pb.JobConfig:
                         recovery=job.recovery, nonfinite=job.nonfinite,
                         guard=pb.UpdateGuard(lr_factor=job.lr_factor, grad_norm_factor=job.grad_norm_factor,
                                              grad_norm_policy=job.grad_norm_policy,
-                                             grad_norm_warmup=job.grad_norm_warmup, expel_after=job.expel_after))
+                                             grad_norm_warmup=job.grad_norm_warmup, expel_after=job.expel_after,
+                                             require_batch=job.require_batch))
 
 
 def job_from_pb(msg: pb.JobConfig) -> JobConfig:
@@ -52,7 +53,7 @@ def guard_from_pb(msg: pb.UpdateGuard) -> dict:
     """The update guard's settings of a JobConfig message (an older chief sends none: the defaults)."""
     return dict(lr_factor=msg.lr_factor, grad_norm_factor=msg.grad_norm_factor,
                 grad_norm_policy=msg.grad_norm_policy or "refuse", grad_norm_warmup=msg.grad_norm_warmup,
-                expel_after=msg.expel_after)
+                expel_after=msg.expel_after, require_batch=msg.require_batch)
 
 
 def view_to_pb(view: View) -> pb.ClusterView:

@@ -57,7 +57,7 @@ def guard_flags(job: JobConfig) -> list[str]:
     """The update guard's settings as the chief's flags (ps/guard.py)."""
     return ["--lr-factor", repr(job.lr_factor), "--grad-norm-factor", repr(job.grad_norm_factor),
             "--grad-norm-policy", job.grad_norm_policy, "--grad-norm-warmup", str(job.grad_norm_warmup),
-            "--expel-after", str(job.expel_after)]
+            "--expel-after", str(job.expel_after), "--require-batch" if job.require_batch else "--no-require-batch"]
 
 class LocalConfig:
     script: str

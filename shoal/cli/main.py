@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -56,6 +57,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                    help="accepted pushes per shard before the running median is trusted (default 20)")
     p.add_argument("--expel-after", type=int, default=None,
                    help="a worker with this many refused updates in a row is expelled (default 10; 0: never)")
+    p.add_argument("--require-batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="every push must name a batch of a data task its sender holds (on with shoal local "
+                        "--secure; off lets a training loop outside the job's data tasks push)")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
@@ -66,7 +70,8 @@ def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
                              "replicas": args.replicas, "recovery": args.recovery,
                              "nonfinite": args.nonfinite, "lr_factor": args.lr_factor,
                              "grad_norm_factor": args.grad_norm_factor, "grad_norm_policy": args.grad_norm_policy,
-                             "grad_norm_warmup": args.grad_norm_warmup, "expel_after": args.expel_after})
+                             "grad_norm_warmup": args.grad_norm_warmup, "expel_after": args.expel_after,
+                             "require_batch": args.require_batch})
 
 
 _CHIEF_HELP = "the chief's HOST:PORT (default $SHOAL_CHIEF, the job file's cluster.chief or TF_CONFIG)"
@@ -244,6 +249,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     if shards < 1:
         raise InvalidArgument(f"--num-shards must be >= 1, got {shards}")
     job = _job_from(args, shards)
+    if args.secure and args.require_batch is None:      # a secure job: every push names its batch
+        job = dataclasses.replace(job, require_batch=True)
     ckpt = _checkpoint_from(args)
     cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
                       num_workers=args.workers, job=job, compression=args.compression or "none",
