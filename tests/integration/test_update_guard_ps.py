@@ -12,6 +12,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer, StatusServicer
+from shoal.ps.telemetry import collector
 from shoal.ps.tcp_server import DataChannelServer
 from shoal.rpc import create_server, open_channel
 from shoal.worker.ps_client import ShardClient
@@ -75,6 +76,9 @@ def test_the_issues_attacks_are_refused_and_the_model_is_untouched(ps):
     (alert,) = RefusedPushes().observe(refused, versions)
     assert alert.member == "w1" and "update guard" in alert.text
     assert records.guard_record([{"guard_refused": dict(st.guard_refused)}])["refused"] == {"w1": 2}
+    # and the Prometheus counter a scrape reads
+    (fam,) = [f for f in collector(host)() if f.name == "shoal_shard_updates_refused"]
+    assert [(x.labels["worker"], x.value) for x in fam.samples if x.name.endswith("_total")] == [("w1", 2)]
 
 
 def test_a_worker_that_keeps_attacking_is_expelled(ps):
