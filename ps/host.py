@@ -65,6 +65,16 @@ class ShardHost:
         self._live_thread = threading.Thread(target=self._live_loop, name="live-workers", daemon=True)
         self._live_thread.start()
 
+    def rename(self, member_id: str, credential: str) -> None:
+        """This process joined the job again under ``member_id``: routes naming it are this process's."""
+        with self._lock:
+            if member_id and member_id != self.member_id:
+                if self.member_id:
+                    log.warning("this parameter server is %s now (was %s): the chief forgot the old id",
+                                member_id, self.member_id)
+                self.member_id = member_id
+            self.credential = credential or self.credential
+
     # ------------------------------------------------------------ primaries
 
     def assign(self, shard: int, job: JobConfig, restoring: bool = False) -> None:
