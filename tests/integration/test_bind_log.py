@@ -1,0 +1,17 @@
+"""The chief's start-up line names the address it listens on (a chief bound to every interface said
+127.0.0.1, the loopback its own clients dial)."""
+import logging
+
+from shoal.chief.server import ChiefServer
+from shoal.config import JobConfig
+
+
+def test_a_chief_bound_to_every_interface_says_so(caplog):
+    caplog.set_level(logging.INFO, logger="shoal.chief.server")
+    chief = ChiefServer(JobConfig(), bind="0.0.0.0:0").start()
+    try:
+        line = next(r.getMessage() for r in caplog.records if "chief serving on" in r.getMessage())
+        assert line.startswith(f"chief serving on 0.0.0.0:{chief.port} ")
+        assert chief.address == f"127.0.0.1:{chief.port}"      # where local clients dial it, unchanged
+    finally:
+        chief.stop(grace_s=0.1)
