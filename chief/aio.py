@@ -33,7 +33,7 @@ from shoal.chief.servicer import ChiefServicer
 from shoal.errors import ShoalError
 from shoal.metrics import observe_rpc
 from shoal.proto import shoal_pb2 as pb
-from shoal.rpc import SERVER_OPTIONS
+from shoal.rpc import SERVER_OPTIONS, add_port
 
 SERVICE = "shoal.Chief"
 REQUESTS = {"Join": pb.JoinRequest, "Heartbeat": pb.HeartbeatRequest, "Leave": pb.LeaveRequest,
@@ -350,12 +350,7 @@ class AioServer:
         self.server = grpc.aio.server(options=SERVER_OPTIONS + options)
         self.server.add_generic_rpc_handlers((AsyncChief(servicer, self.loop).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        cfg = tls.config()
-        port = self.server.add_secure_port(bind, cfg.server_credentials()) if cfg.serves \
-            else self.server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"could not bind {bind}")
-        return port
+        return add_port(self.server, bind, tls.config())
 
     def start(self) -> None:
         self._call(self.server.start())

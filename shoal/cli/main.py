@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
                    help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
     security.add_token_arg(p)
-    p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
+    p.add_argument("--num-shards", type=int, default=os.environ.get("SHOAL_NUM_SHARDS", "1"),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--config", help=_CONFIG_HELP)

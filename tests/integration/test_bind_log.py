@@ -15,3 +15,25 @@ def test_a_chief_bound_to_every_interface_says_so(caplog):
         assert chief.address == f"127.0.0.1:{chief.port}"      # where local clients dial it, unchanged
     finally:
         chief.stop(grace_s=0.1)
+
+
+def test_an_address_that_cannot_be_bound_is_one_refusal_naming_it():
+    import socket
+
+    import pytest
+
+    from shoal.errors import InvalidArgument
+    from shoal.rpc import create_server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    try:
+        for bad in (address, "notahost:99999"):
+            with pytest.raises(InvalidArgument, match=f"cannot listen on {bad}: the port is in use"):
+                create_server(bad)
+            with pytest.raises(InvalidArgument, match=f"cannot listen on {bad}"):
+                ChiefServer(JobConfig(), bind=bad)
+    finally:
+        taken.close()
