@@ -37,3 +37,28 @@ def test_an_address_that_cannot_be_bound_is_one_refusal_naming_it():
                 ChiefServer(JobConfig(), bind=bad)
     finally:
         taken.close()
+
+
+def test_the_chief_reads_no_message_larger_than_its_cap_from_a_stranger():
+    """Control messages only: a 20 MB request is refused at the transport (SHOAL_CHIEF_MAX_MESSAGE_MB, 16),
+    before any token check or decoding, instead of being read into the chief's memory."""
+    import grpc
+
+    from shoal.chief.aio import CHIEF_MAX_MESSAGE_MB
+    from shoal.proto import shoal_pb2 as pb
+    from shoal.proto import shoal_pb2_grpc as pb_grpc
+
+    chief = ChiefServer(JobConfig(), bind="127.0.0.1:0").start()
+    try:
+        with grpc.insecure_channel(chief.address, options=[("grpc.max_send_message_length", -1)]) as ch:
+            big = pb.JoinRequest(role=pb.WORKER, host="x" * ((CHIEF_MAX_MESSAGE_MB + 4) << 20))
+            try:
+                pb_grpc.ChiefStub(ch).Join(big, timeout=10)
+                code = None
+            except grpc.RpcError as exc:
+                code = exc.code()
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            small = pb_grpc.ChiefStub(ch).GetView(pb.ViewRequest(after_epoch=-1), timeout=5)
+            assert small.epoch >= 0
+    finally:
+        chief.stop(grace_s=0.1)
