@@ -193,3 +193,31 @@ def test_guard_settings_are_validated_with_the_bad_value():
     with pytest.raises(InvalidArgument, match="--grad-norm-factor"):
         JobConfig(grad_norm_factor=1.0)
     assert UpdateGuard({}).judge(None, 1.0).refuse == ""
+
+
+def test_the_guard_settings_travel_in_the_view():
+    from shoal import convert
+
+    job = JobConfig(lr_factor=30, grad_norm_factor=0, grad_norm_policy="clip", grad_norm_warmup=5,
+                    expel_after=0, require_batch=True)
+    assert convert.job_from_pb(convert.job_to_pb(job)) == job
+
+
+def test_status_and_the_run_summary_say_what_the_guard_did():
+    from shoal.cli.progress import result_lines
+    from shoal.cli.records import guard_record
+    from shoal.cli.status import render
+
+    row = {"shard": 0, "primary": "ps-0", "backup": "", "backup_state": "none", "version": 5, "applied": 9,
+           "dropped": 2, "ledger": [], "guard_refused": {"worker-1": 2}, "rolled_back": 1, "expelled": ["worker-1"]}
+    s = {"mode": "sync", "view_epoch": 3, "ready": True, "epochs": {"completed": 0, "total": 1},
+         "tasks": {"done": 1, "total": 4, "queue_depth": 3}, "totals": {"steps": 9}, "members": [], "shards": [row]}
+    assert ("updates refused by the update guard (docs/update-safety.md): worker-1 2 EXPELLED (shard 0); "
+            "1 step(s) rolled back") in render(s)
+    record = guard_record([row, {"shard": 1, "guard_refused": {"worker-1": 1, "worker-0": 1}}])
+    assert record == {"refused": {"worker-1": 3, "worker-0": 1}, "rolled_back": 1, "expelled": ["worker-1"]}
+    lines = result_lines({"mode": "sync", "update_guard": record}, ok=True)
+    assert ("  update guard    protected the model: 4 update(s) refused, clipped or rolled back "
+            "(worker-0 1, worker-1 3); expelled worker-1") in lines
+    assert guard_record([{"shard": 0, "guard_refused": {}}]) is None
+    assert not any("update guard" in ln for ln in result_lines({"mode": "sync"}, ok=True))
