@@ -221,3 +221,52 @@ def test_status_and_the_run_summary_say_what_the_guard_did():
             "(worker-0 1, worker-1 3); expelled worker-1") in lines
     assert guard_record([{"shard": 0, "guard_refused": {}}]) is None
     assert not any("update guard" in ln for ln in result_lines({"mode": "sync"}, ok=True))
+
+
+# ------------------------------------------------------------ saving only what a step could spoil
+
+def test_a_bounded_step_is_not_saved_and_an_unbounded_one_is():
+    from shoal.optim import ShardOptimizer, magnitude
+
+    for spec in (ADAM, SGD, OptimizerSpec("adamw", {"lr": 0.01}), OptimizerSpec("sgd", {"lr": 0.1, "momentum": 0.9})):
+        opt = ShardOptimizer(torch.linspace(-1, 1, 8), spec)
+        g = torch.full((8,), 0.5)
+        assert opt.needs_save(magnitude(g))             # the first step: nothing known of its inputs
+        opt.step(g)
+        assert opt.finite() and not opt.needs_save(magnitude(g))
+        assert opt.needs_save(3e38) and opt.needs_save(1e13)
+        opt.set_hparams({"0.lr": 1e30})
+        assert opt.needs_save(magnitude(g))             # a growth no bound covers (a backup's update)
+    from shoal.config import ParamGroupSpec
+
+    rms = ShardOptimizer(torch.ones(8), OptimizerSpec("RMSprop", groups=(ParamGroupSpec({"lr": 0.01}, ((0, 8),)),)))
+    rms.step(torch.ones(8))
+    assert rms.finite() and rms.needs_save(1.0)         # no bound known for it: every step saved
+
+
+def test_a_step_the_bound_lets_go_unsaved_stays_finite():
+    """The bound holds at its edges: inputs up to 1e12, learning rates up to 1e7, decay up to 999, eps down
+    to 1e-9, every registered optimizer; and it does let most ordinary steps go unsaved."""
+    from shoal.optim import ShardOptimizer, magnitude
+
+    unsaved = 0
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        name = ("sgd", "adam", "adamw")[seed % 3]
+        hp = {"lr": 10.0 ** int(torch.randint(-3, 8, (1,), generator=g)),
+              "weight_decay": float(torch.randint(0, 999, (1,), generator=g)) if seed % 2 else 0.0}
+        hp.update({"momentum": 0.99, "nesterov": 1.0} if name == "sgd" else
+                  {"eps": 10.0 ** -int(torch.randint(1, 10, (1,), generator=g)), "beta1": 0.99})
+        opt = ShardOptimizer((torch.randn(64, generator=g) * 1e11).clamp(-1e11, 1e11), OptimizerSpec(name, hp))
+        for _ in range(4):
+            grad = (torch.randn(64, generator=g) * 10.0 ** int(torch.randint(0, 12, (1,), generator=g)))
+            grad = grad.clamp(-1e11, 1e11)
+            free = not opt.needs_save(magnitude(grad))
+            opt.step(grad)
+            ok = opt.finite()
+            if free:
+                unsaved += 1
+                assert ok, (name, hp)
+            elif not ok:
+                break                                   # saved: the shard would roll it back
+    assert unsaved >= 20
