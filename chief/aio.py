@@ -33,7 +33,7 @@ from shoal.chief.servicer import ChiefServicer
 from shoal.errors import ShoalError
 from shoal.metrics import observe_rpc
 from shoal.proto import shoal_pb2 as pb
-from shoal.rpc import SERVER_OPTIONS
+from shoal.rpc import SERVER_OPTIONS, _env_int, add_port
 
 SERVICE = "shoal.Chief"
 REQUESTS = {"Join": pb.JoinRequest, "Heartbeat": pb.HeartbeatRequest, "Leave": pb.LeaveRequest,
@@ -45,6 +45,9 @@ OFF_LOOP = frozenset({"ReportUnreachable"})      # may block (a probe of up to a
 # arrived that the server has not taken up yet. With a thousand members the watches re-opened after a
 # view change pass that at once, and the heartbeats refused with them lapse leases: a chief would
 # rather answer a queued heartbeat late, within its deadline. The per-connection stream limit stays.
+# The chief takes control messages only (the largest: a Join's model layout, names and shapes): what it
+# reads from anyone before the token is checked is capped far below the servers' frames
+CHIEF_MAX_MESSAGE_MB = _env_int("SHOAL_CHIEF_MAX_MESSAGE_MB", 16)
 OPTIONS = [("grpc.http.overload_protection", 0)]
 WAKE_BATCH = 32            # watches woken per turn of the event loop (_Pacer)
 LAG_PROBE_S = 0.05          # the loop's lag is measured this often...
@@ -347,15 +350,12 @@ class AioServer:
 
     async def _bind(self, servicer: ChiefServicer, bind: str, options: list) -> int:
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS + options)
+        capped = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        self.server = grpc.aio.server(options=capped + [("grpc.max_receive_message_length",
+                                                         CHIEF_MAX_MESSAGE_MB << 20)] + options)
         self.server.add_generic_rpc_handlers((AsyncChief(servicer, self.loop).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        cfg = tls.config()
-        port = self.server.add_secure_port(bind, cfg.server_credentials()) if cfg.serves \
-            else self.server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"could not bind {bind}")
-        return port
+        return add_port(self.server, bind, tls.config())
 
     def start(self) -> None:
         self._call(self.server.start())

@@ -63,6 +63,16 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+
+def _owner_only(path: Path) -> None:
+    """Creates the journal (or takes the one there) readable and writable by its owner only (0600), its
+    -wal and -shm too (SQLite gives those the database file's mode when it creates them)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for suffix in ("", "-wal", "-shm"):
+        p = Path(f"{path}{suffix}")
+        if p.exists():
+            os.chmod(p, 0o600)
+
 class JournalError(ShoalError):
     """The journal cannot be read or written (retryable for clients: the chief restarts from it)."""
 
@@ -96,10 +106,11 @@ class Journal:
         self._lock = threading.Lock()
         if fresh:
             self._move_aside()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _owner_only(self.path)       # it holds the job's signing secret: no other user reads it
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise self._unreadable(exc) from exc
         try:
             (mode,) = self._db.execute("PRAGMA journal_mode=WAL").fetchone()

@@ -92,8 +92,10 @@ class ChiefServer:
         if self.checkpointer is not None:
             self.checkpointer.start()
         self.server.set_serving(SERVICE, True)
-        log.info("chief serving on %s (mode %s, %d shard(s), lease %.1fs)", self.address,
-                 self.job.mode, self.job.num_shards, self.job.lease_seconds)
+        host = self.bind.rsplit(":", 1)[0].strip("[]")
+        bound = f"{host or '0.0.0.0'}:{self.port}"        # what it listens on, not the loopback it is dialled at
+        log.info("chief serving on %s (mode %s, %d shard(s), lease %.1fs)", bound, self.job.mode,
+                 self.job.num_shards, self.job.lease_seconds)
         return self
 
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":

@@ -132,7 +132,8 @@ class RefusedPushes:
                 if key not in self._rising:
                     self._rising.add(key)
                     out.append(Event("pushes_refused",
-                                     f"shard {shard} refuses pushes from {worker} holding NaN/Inf "
+                                     f"shard {shard} refuses pushes from {worker} (NaN/Inf or out of the "
+                                     f"update guard's bounds) "
                                      f"({count} so far, at version {versions.get(shard, 0)})",
                                      versions.get(shard, 0), worker))
         return out
@@ -288,7 +289,9 @@ def read_shards(addresses: dict[int, str], timeout_s: float = 1.0) -> tuple[dict
         try:
             st = pb_grpc.ParameterServerStub(ch).Status(pb.StatusRequest(shard=k, by_shard=True), timeout=timeout_s)
             versions[k] = st.version
-            refused[k] = dict(st.nonfinite_refused)
+            guarded = dict(st.guard_refused)        # the update guard's refusals (ps/guard.py) count too
+            refused[k] = {w: st.nonfinite_refused.get(w, 0) + guarded.get(w, 0)
+                          for w in {*st.nonfinite_refused, *guarded}}
         except grpc.RpcError:
             pass
         finally:

@@ -44,7 +44,7 @@ class ModelLayout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds", "replicas", "recovery", "nonfinite")
+    __slots__ = ("mode", "backup_workers", "staleness", "num_shards", "lease_seconds", "replicas", "recovery", "nonfinite", "guard")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class JobConfig(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    GUARD_FIELD_NUMBER: _ClassVar[int]
     mode: str
     backup_workers: int
     staleness: int
@@ -61,7 +62,24 @@ class JobConfig(_message.Message):
     replicas: int
     recovery: str
     nonfinite: str
-    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., recovery: _Optional[str] = ..., nonfinite: _Optional[str] = ...) -> None: ...
+    guard: UpdateGuard
+    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., num_shards: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., recovery: _Optional[str] = ..., nonfinite: _Optional[str] = ..., guard: _Optional[_Union[UpdateGuard, _Mapping]] = ...) -> None: ...
+
+class UpdateGuard(_message.Message):
+    __slots__ = ("lr_factor", "grad_norm_factor", "grad_norm_policy", "grad_norm_warmup", "expel_after", "require_batch")
+    LR_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_POLICY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_WARMUP_FIELD_NUMBER: _ClassVar[int]
+    EXPEL_AFTER_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    lr_factor: float
+    grad_norm_factor: float
+    grad_norm_policy: str
+    grad_norm_warmup: int
+    expel_after: int
+    require_batch: bool
+    def __init__(self, lr_factor: _Optional[float] = ..., grad_norm_factor: _Optional[float] = ..., grad_norm_policy: _Optional[str] = ..., grad_norm_warmup: _Optional[int] = ..., expel_after: _Optional[int] = ..., require_batch: _Optional[bool] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("steps", "samples", "bytes_pushed", "bytes_pulled")
@@ -551,7 +569,7 @@ class DataChannelOffer(_message.Message):
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions", "optimizer", "nonfinite_refused")
+    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions", "optimizer", "nonfinite_refused", "guard_refused", "rolled_back", "expelled")
     class WorkerClocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +578,13 @@ class ShardStatus(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class NonfiniteRefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class GuardRefusedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -583,6 +608,9 @@ class ShardStatus(_message.Message):
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    GUARD_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    EXPELLED_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -600,7 +628,10 @@ class ShardStatus(_message.Message):
     promotions: int
     optimizer: OptimizerConfig
     nonfinite_refused: _containers.ScalarMap[str, int]
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., nonfinite_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    guard_refused: _containers.ScalarMap[str, int]
+    rolled_back: int
+    expelled: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., nonfinite_refused: _Optional[_Mapping[str, int]] = ..., guard_refused: _Optional[_Mapping[str, int]] = ..., rolled_back: _Optional[int] = ..., expelled: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LedgerEpoch(_message.Message):
     __slots__ = ("epoch", "applied", "max_count")

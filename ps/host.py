@@ -65,6 +65,16 @@ class ShardHost:
         self._live_thread = threading.Thread(target=self._live_loop, name="live-workers", daemon=True)
         self._live_thread.start()
 
+    def rename(self, member_id: str, credential: str) -> None:
+        """This process joined the job again under ``member_id``: routes naming it are this process's."""
+        with self._lock:
+            if member_id and member_id != self.member_id:
+                if self.member_id:
+                    log.warning("this parameter server is %s now (was %s): the chief forgot the old id",
+                                member_id, self.member_id)
+                self.member_id = member_id
+            self.credential = credential or self.credential
+
     # ------------------------------------------------------------ primaries
 
     def assign(self, shard: int, job: JobConfig, restoring: bool = False) -> None:
@@ -89,6 +99,7 @@ class ShardHost:
         s.set_live_workers(self.live_workers)
         if self.job is not None:
             s.nonfinite = self.job.nonfinite
+            s.set_guard(self.job)
         self.shards[s.shard_id] = s
         self.roles[s.shard_id] = role
         if role == PRIMARY:

@@ -118,6 +118,11 @@ class PSServer:
         self.gave_up.set()
 
     def _on_view(self, view: pb.ClusterView) -> None:
+        # A server the chief forgot (its lease lapsed, or a Leave named it) joins again under a new id, and
+        # the join's view is the first to name it: the host answers to that id (and signs replication with
+        # its credential) before it reads the view's routes, or it would drop as another member's the very
+        # copies the view makes it primary of, and the job would wait on a shard nobody holds.
+        self.host.rename(self.chief.member_id, self.chief.credential)
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
         self.host.set_view(workers, view.completed_epochs, list(view.shards))
 

@@ -166,6 +166,9 @@ class DataServicer:
         if not head.has_batch:
             if head.more_batches:
                 raise InvalidArgument("a push names more_batches but no first batch (has_batch is false)")
+            if self.host.job is not None and self.host.job.require_batch:
+                raise PermissionDenied(f"a push of {head.worker_id} names no batch: a worker pushes only for "
+                                       f"a batch of a task it holds")
             return ()
         named = [(pb.Task(task_id=head.task_id, epoch=head.data_epoch, start=head.task_start, stop=head.task_stop,
                           attempt=head.attempt, token=head.token), head.batch_start, head.batch_stop)]
@@ -351,6 +354,8 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                                       for e in s.ledger_summary()], worker_clocks=s.worker_clocks(),
                               backup=r.backup if r else "", backup_state=r.state if r else "none",
                               promotions=self.host.promotions, nonfinite_refused=s.nonfinite_counts(),
+                              guard_refused=s.guard_counts(), rolled_back=s.guard.refusals.rolled_back,
+                              expelled=sorted(s.guard.refusals.expelled),
                               optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
                                                            hparams=dict(s.optimizer_spec.hparams),
                                                            spec_json=s.optimizer_spec.to_json()))

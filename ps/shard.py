@@ -19,12 +19,14 @@ import numpy as np
 import torch
 
 from shoal.ps.changes import ChangeLog
+from shoal.ps.guard import UpdateGuard, grad_norm, scaled
 from shoal.ps.shard_copies import ShardCopies
+from shoal.ps.shard_guard import ShardGuard
 from shoal.ps.sparse import RoundSum, SparseGrad
 from shoal.ps.update import PushResult, Update, count_nonfinite
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger
-from shoal.optim import build_optimizer
+from shoal.optim import build_optimizer, magnitude
 from shoal.config import OptimizerSpec
 from shoal.wire import encode_weights, pull_itemsize
 from shoal.errors import (HANDED_OVER, NOT_PRIMARY, DeadlineExceeded, FailedPrecondition, InvalidArgument,
@@ -46,8 +48,9 @@ class ShardStats:
     nonfinite: dict[str, int] = field(default_factory=dict)   # pushes holding NaN/Inf not applied, per worker
 
 
-class Shard(ShardCopies):
-    """One shard's state and rules; its copies (checkpoint, backup, digest) are :class:`ShardCopies`."""
+class Shard(ShardCopies, ShardGuard):
+    """One shard's state and rules; its copies (checkpoint, backup, digest) are :class:`ShardCopies`,
+    its update guard's refusals :class:`ShardGuard`."""
 
     def __init__(self, shard_id: int, values: torch.Tensor, optimizer: OptimizerSpec, rule: Rule,
                  fingerprint: str, clock: Callable[[], float] = time.monotonic, flat_start: int = 0):
@@ -62,6 +65,8 @@ class Shard(ShardCopies):
         self.flat_start = flat_start           # where the slice starts in the flat model (param groups)
         self._opt = build_optimizer(self._param, optimizer, flat_start)
         self.applied_hparams: dict[str, float] = self._opt.hparams()   # what the last update stepped with
+        # what a push may carry and how large its gradient may be (ps/guard.py; the host sets it from the job)
+        self.guard = UpdateGuard(self.applied_hparams)
         self._cond = threading.Condition()
         self.version = 0
         self.changes = ChangeLog(self.numel, self.version, optimizer)
@@ -134,8 +139,10 @@ class Shard(ShardCopies):
             return self._refuse_nonfinite(worker, bad)
         if hparams:
             self._opt.check_hparams(hparams)
+        norm = grad_norm(grad)
         deadline = self._clock() + wait_s
         with self._cond:
+            self._check_not_expelled(worker)
             self._pushed.add(worker)
             while True:
                 self._check_not_fenced()
@@ -167,6 +174,15 @@ class Shard(ShardCopies):
                 self.stats.pushes_dropped += 1
                 log.debug("shard %d drops push of %s: %s", self.shard_id, worker, verdict.reason)
                 return PushResult(False, self.version, verdict.reason)
+            judged = self.guard.judge(hparams, norm)
+            if judged.refuse:
+                return self._refuse_guarded(worker, judged.refuse)
+            if judged.scale != 1.0:
+                grad, owned = scaled(grad, judged.scale, owned), True
+                self._count_guarded(worker, self.guard.clip_reason(judged))
+            else:
+                self.guard.refusals.taken(worker)
+            self.guard.norms.accept(judged.norm * judged.scale)
             if self._round_sum is None:
                 # A gradient applied alone (async, ssp) is only read by the optimizer: no copy.
                 alone = self.rule.round_complete({worker}, self._expected())
@@ -317,18 +333,35 @@ class Shard(ShardCopies):
             pass
 
     def _apply(self, u: Update) -> None:
-        """Takes one optimizer step (lock held): the same code on a primary and on its backup."""
+        """Takes one optimizer step (lock held): the same code on a primary and on its backup. A step that
+        would leave a weight or the optimizer's state NaN/Inf is rolled back (the version, keys and ledger
+        still advance, the same on the backup, which rolls the same step back)."""
+        before = self.applied_hparams
         if u.hparams:
             self._opt.set_hparams(dict(u.hparams))
             self.applied_hparams = self._opt.hparams()
-        touched = u.grad.indices if isinstance(u.grad, SparseGrad) and \
-            self._opt.step_sparse(u.grad.indices, u.grad.values) else None
+        sparse = isinstance(u.grad, SparseGrad) and self._opt.sparse_exact()
+        # saved first unless the step is proved finite (shoal/optim.py: needs_save); a sparse one: its elements
+        saved = self._opt.save(u.grad.indices) if sparse else \
+            self._opt.save() if self._opt.needs_save(magnitude(u.dense_grad())) else None
+        touched = u.grad.indices if sparse and self._opt.step_sparse(u.grad.indices, u.grad.values) else None
         if touched is None:
             self._opt.step(u.dense_grad())
         else:
             self.stats.sparse_updates += 1
         self.version = u.version
-        self.changes.record(u.version, u.grad if isinstance(u.grad, torch.Tensor) else None, u.sparse, touched)
+        if self._opt.finite(touched):
+            self.changes.record(u.version, u.grad if isinstance(u.grad, torch.Tensor) else None, u.sparse, touched)
+        elif saved is None:         # cannot be: the bound proved it finite; said loudly, never silently kept
+            raise AssertionError(f"shard {self.shard_id}: the step to version {u.version} left a non-finite value "
+                                 f"that its bound ruled out (shoal/optim.py ShardOptimizer._growth)")
+        else:
+            self._opt.restore(saved)
+            if u.hparams:
+                self._opt.set_hparams(before)
+                self.applied_hparams = before
+            self.changes.record(u.version, None, True, torch.empty(0, dtype=torch.int64))   # nothing changed
+            self._rolled_back(u)
         self.stats.updates += 1
         for k in u.keys:
             self._keys[k] = self.version

@@ -45,6 +45,19 @@ def _max_connections() -> int:
     return n
 
 
+def _idle_timeout_s() -> float:
+    """How long a data connection may sit between requests before it is cut (``SHOAL_DATA_IDLE_SECONDS``,
+    default 600; 0: never). A client's pooled connection cut while idle is reopened at its next call."""
+    raw = os.environ.get("SHOAL_DATA_IDLE_SECONDS", "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value < float("inf")):
+        raise InvalidArgument(f"SHOAL_DATA_IDLE_SECONDS={raw!r} must be a number of seconds >= 0 (0: never)")
+    return value
+
+
 class _Refused(Exception):
     """A request is refused; ``fatal``: the connection cannot be trusted to carry another."""
 
@@ -67,6 +80,7 @@ class DataChannelServer:
         self.on_lost = on_lost
         self.ticket = secrets.token_bytes(tc.TICKET_BYTES)
         self.hello_timeout_s = HELLO_TIMEOUT_S
+        self.idle_timeout_s = _idle_timeout_s()
         self.max_connections = max_connections or _max_connections()
         self._guard_key = lambda: servicer.host.verify_key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -153,10 +167,21 @@ class DataChannelServer:
             replicator = self._may_replicate(credential)
             speaks_for = self._speaks_for(credential)
             tc.send(conn, tc.OK)
+            # A client opens a connection to make a call at once: the first request is due within the
+            # HELLO's time, and every request's head right behind its prefix. Between requests a pooled
+            # connection may idle as long as the worker's step takes, up to ``idle_timeout_s``.
+            first = True
             while True:
-                kind, head, body_len = tc.recv_prefix(conn)
+                wait = self.hello_timeout_s if first else self.idle_timeout_s
+                kind, head, body_len = tc.recv_prefix(conn, deadline=time.monotonic() + wait if wait else None,
+                                                      head_within_s=self.hello_timeout_s)
+                conn.settimeout(None)
+                first = False
                 if not self._request(conn, kind, head, body_len, replicator, speaks_for):
                     return
+        except TimeoutError:        # silent past its deadline (HELLO, first request, head, idle): cut, and
+            #                         not a worker lost: its client reopens a connection at its next call
+            log.debug("data channel from %s (%s): nothing within its deadline; closed", peer[0], member or "?")
         except (ConnectionError, OSError) as exc:
             if not self._closed:
                 log.debug("data channel from %s (%s) ended: %s", peer[0], member or "?", exc)

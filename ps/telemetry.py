@@ -29,6 +29,16 @@ def collector(host):
             dropped.add_metric([str(k), r], s.stats.pushes_dropped)
         yield applied
         yield dropped
+        refused = CounterMetricFamily("shoal_shard_updates_refused", "Updates the update guard refused, clipped "
+                                      "or rolled back (ps/guard.py), per worker", labels=["shard", "role", "worker"])
+        rolled = CounterMetricFamily("shoal_shard_steps_rolled_back", "Steps rolled back: they would have left "
+                                     "a weight or optimizer state NaN/Inf", labels=["shard", "role"])
+        for k, s, r in copies:
+            for w, n in sorted(s.guard_counts().items()):
+                refused.add_metric([str(k), r, w], n)
+            rolled.add_metric([str(k), r], s.guard.refusals.rolled_back)
+        yield refused
+        yield rolled
         received = CounterMetricFamily("shoal_ps_received_bytes", "Bytes of pushes this server received")
         received.add_metric([], host.bytes_in)
         yield received

@@ -22,6 +22,8 @@ RECOVERY = ("consistent", "fast")
 # What a server does with a gradient or replicated update holding NaN/Inf (never applied, whichever):
 # refuse it and fail the worker after a few in a row, skip it quietly (counted), or fail the worker at once.
 NONFINITE = ("refuse", "skip", "stop")
+# What a server does with a push whose gradient norm is beyond --grad-norm-factor times the running median
+GRAD_NORM_POLICY = ("refuse", "clip")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class JobConfig:
     replicas: int = 0                 # copies of each shard: 1 or 2; 0 picks 2 when there are 2+ shards
     recovery: str = "consistent"      # when a shard loses every copy: consistent (checkpoint) or fast
     nonfinite: str = "refuse"         # a gradient with NaN/Inf: refuse | skip | stop (never applied)
+    # the update guard (ps/guard.py, docs/update-safety.md): what a server checks before it applies a push
+    lr_factor: float = 10.0           # a push's learning rate at most this times the job's configured one
+    grad_norm_factor: float = 10.0    # a push's gradient norm at most this times the running median; 0: off
+    grad_norm_policy: str = "refuse"  # beyond it: refuse (the batch is trained again) | clip (scaled down)
+    grad_norm_warmup: int = 20        # accepted pushes per shard before the median is trusted
+    expel_after: int = 10             # guard refusals in a row that expel a worker; 0: never
+    require_batch: bool = False       # every push names a batch of a task its sender holds (shoal local --secure)
 
 
     def __post_init__(self) -> None:
@@ -59,6 +68,18 @@ class JobConfig:
             raise InvalidArgument(f"--recovery {self.recovery!r} is not one of {', '.join(RECOVERY)}")
         if self.nonfinite not in NONFINITE:
             raise InvalidArgument(f"--nonfinite {self.nonfinite!r} is not one of {', '.join(NONFINITE)}")
+        if not (math.isfinite(self.lr_factor) and self.lr_factor >= 1):
+            raise InvalidArgument(f"--lr-factor must be a finite number >= 1, got {self.lr_factor}")
+        if not (math.isfinite(self.grad_norm_factor) and (self.grad_norm_factor == 0 or self.grad_norm_factor > 1)):
+            raise InvalidArgument(f"--grad-norm-factor must be 0 (off) or a finite number > 1, got "
+                                  f"{self.grad_norm_factor}")
+        if self.grad_norm_policy not in GRAD_NORM_POLICY:
+            raise InvalidArgument(f"--grad-norm-policy {self.grad_norm_policy!r} is not one of "
+                                  f"{', '.join(GRAD_NORM_POLICY)}")
+        if self.grad_norm_warmup < 1:
+            raise InvalidArgument(f"--grad-norm-warmup must be >= 1, got {self.grad_norm_warmup}")
+        if self.expel_after < 0:
+            raise InvalidArgument(f"--expel-after must be >= 0 (0: never), got {self.expel_after}")
 
 
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {

@@ -35,13 +35,25 @@ def counters_from_pb(msg: pb.Counters) -> Counters:
 def job_to_pb(job: JobConfig) -> pb.JobConfig:
     return pb.JobConfig(mode=job.mode, backup_workers=job.backup_workers, staleness=job.staleness,
                         num_shards=job.num_shards, lease_seconds=job.lease_seconds, replicas=job.replicas,
-                        recovery=job.recovery, nonfinite=job.nonfinite)
+                        recovery=job.recovery, nonfinite=job.nonfinite,
+                        guard=pb.UpdateGuard(lr_factor=job.lr_factor, grad_norm_factor=job.grad_norm_factor,
+                                             grad_norm_policy=job.grad_norm_policy,
+                                             grad_norm_warmup=job.grad_norm_warmup, expel_after=job.expel_after,
+                                             require_batch=job.require_batch))
 
 
 def job_from_pb(msg: pb.JobConfig) -> JobConfig:
     return JobConfig(mode=msg.mode, backup_workers=msg.backup_workers, staleness=msg.staleness,
                      num_shards=msg.num_shards, lease_seconds=msg.lease_seconds, replicas=msg.replicas,
-                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "refuse")
+                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "refuse",
+                     **guard_from_pb(msg.guard) if msg.HasField("guard") else {})
+
+
+def guard_from_pb(msg: pb.UpdateGuard) -> dict:
+    """The update guard's settings of a JobConfig message (an older chief sends none: the defaults)."""
+    return dict(lr_factor=msg.lr_factor, grad_norm_factor=msg.grad_norm_factor,
+                grad_norm_policy=msg.grad_norm_policy or "refuse", grad_norm_warmup=msg.grad_norm_warmup,
+                expel_after=msg.expel_after, require_batch=msg.require_batch)
 
 
 def view_to_pb(view: View) -> pb.ClusterView:

@@ -79,12 +79,24 @@ def create_server(address: str, max_workers: int = 64, interceptors: Iterable[gr
                                                     thread_name_prefix="grpc"),
                          options=SERVER_OPTIONS + list(options), interceptors=interceptors)
     cfg = tls.config()
-    port = server.add_secure_port(address, cfg.server_credentials()) if cfg.serves else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
+    port = add_port(server, address, cfg)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, port, health_servicer
+
+
+def add_port(server, address: str, cfg) -> int:
+    """Binds ``address`` on a gRPC server (sync or aio); one line naming it when it cannot (a port in use, a
+    host that is not this machine's, a port out of range), not gRPC's RuntimeError and its traceback."""
+    try:
+        port = server.add_secure_port(address, cfg.server_credentials()) if cfg.serves \
+            else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise InvalidArgument(f"cannot listen on {address}: the port is in use, or the host is not an address "
+                              f"of this machine, or the port is not in 0-65535 (--bind)")
+    return port
 
 
 def set_serving(health_servicer: health.HealthServicer, service: str, serving: bool) -> None:

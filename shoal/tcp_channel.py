@@ -114,14 +114,19 @@ def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None =
         got += k
 
 
-def recv_prefix(sock: socket.socket, max_head: int = MAX_HEAD,
-                deadline: float | None = None) -> tuple[int, bytes, int]:
-    """Reads a message's prefix and head: ``(kind, head, body_len)``; the body is the caller's to read."""
+def recv_prefix(sock: socket.socket, max_head: int = MAX_HEAD, deadline: float | None = None,
+                head_within_s: float | None = None) -> tuple[int, bytes, int]:
+    """Reads a message's prefix and head: ``(kind, head, body_len)``; the body is the caller's to read.
+    ``head_within_s``: once the prefix is in, its head must follow within this many seconds (a peer that
+    announces a large head and stalls holds the buffer no longer than that)."""
     raw = bytearray(PREFIX.size)
     recv_exactly(sock, memoryview(raw), deadline)
     kind, head_len, body_len = PREFIX.unpack(raw)
     if head_len > max_head:
         raise ConnectionError(f"a data-channel header of {head_len} bytes: not a shoal peer")
+    if head_within_s is not None:
+        soon = time.monotonic() + head_within_s
+        deadline = soon if deadline is None else min(deadline, soon)
     head = bytearray(head_len)
     if head_len:
         recv_exactly(sock, memoryview(head), deadline)

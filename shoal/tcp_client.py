@@ -11,6 +11,7 @@ for a timeout, the ps's own code for a refusal).
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 from typing import Callable, TypeVar
@@ -29,6 +30,17 @@ def split_host(address: str) -> str:
     """The host of ``host:port`` (``[v6]:port`` too)."""
     return address.rsplit(":", 1)[0].strip("[]")
 
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle pooled connection was closed by the server (it cuts one idle past
+    ``SHOAL_DATA_IDLE_SECONDS``): a server sends nothing unasked, so an idle connection that reads as
+    ready holds the peer's close. One poll, no wait; such a connection is replaced, not used."""
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(ready)
 
 class TcpDataChannel:
     """``member_id`` and ``credential`` are presented with the ticket (callables: a re-join changes them;
@@ -107,7 +119,7 @@ class TcpDataChannel:
             sock, stale, now = None, [], self.credential()
             while self._idle and sock is None:
                 s = self._idle.pop()
-                if self._opened_as.get(s, now) == now:      # one handed in from outside: as it is
+                if self._opened_as.get(s, now) == now and not _closed_by_peer(s):   # handed in: as it is
                     sock = s
                 else:
                     stale.append(s)

@@ -51,6 +51,13 @@ def _die_with_parent() -> None:
         pass
 
 
+def guard_flags(job: JobConfig) -> list[str]:
+    """The update guard's settings as the chief's flags (ps/guard.py)."""
+    return ["--lr-factor", repr(job.lr_factor), "--grad-norm-factor", repr(job.grad_norm_factor),
+            "--grad-norm-policy", job.grad_norm_policy, "--grad-norm-warmup", str(job.grad_norm_warmup),
+            "--expel-after", str(job.expel_after), "--require-batch" if job.require_batch else "--no-require-batch"]
+
+
 @dataclass(frozen=True)
 class LocalConfig:
     script: str
@@ -147,7 +154,9 @@ class LocalCluster:
         self.out = out
         self.children: dict[str, Child] = {}
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="shoal-local-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # the chief's journal (its signing secret, 0600 itself) and the job token live here: a run dir this
+        # creates is its owner's only (mkdtemp's is too); one the user named keeps the mode it has
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # one TensorBoard run per role, under one folder per run, so runs of several modes overlay
         tb_parent = Path(cfg.tensorboard) if cfg.tensorboard else self.run_dir / "tb"
         self.cfg = cfg = replace(cfg, tensorboard=str(tb_parent / (cfg.run_name or observe.run_name(cfg.job.mode))))
@@ -219,7 +228,7 @@ class LocalCluster:
                                       "--staleness", str(job.staleness),
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
-                                      "--nonfinite", job.nonfinite,
+                                      "--nonfinite", job.nonfinite, *guard_flags(job),
                                       "--journal", str(self._new_journal()), *self._checkpoint_args(),
                                       *(["--config", self.cfg.config] if self.cfg.config else []),
                                       *observe.local_role_flags(self.cfg, "chief", 0)])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources
+from shoal.config import GRAD_NORM_POLICY, MODES, NONFINITE, RECOVERY, JobConfig, from_sources
 from shoal.cli import compose, k8s
 from shoal.cli.sources import add_commands as add_source_commands, apply_sources, autoscale_policy, export_job_file
 from shoal.jobfile import load_job
@@ -45,6 +46,20 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonfinite", choices=NONFINITE, default=None,
                    help="a gradient holding NaN/Inf is never applied: refuse (default; the worker fails after "
                         "a few in a row), skip (counted in shoal status) or stop (the worker fails at once)")
+    p.add_argument("--lr-factor", type=float, default=None,
+                   help="update guard: a push may carry a learning rate of at most this times the job's (default 10)")
+    p.add_argument("--grad-norm-factor", type=float, default=None,
+                   help="update guard: a push's gradient norm at most this times the shard's running median "
+                        "(default 10; 0: off)")
+    p.add_argument("--grad-norm-policy", choices=GRAD_NORM_POLICY, default=None,
+                   help="a push beyond --grad-norm-factor: refuse (default; the batch is trained again) or clip")
+    p.add_argument("--grad-norm-warmup", type=int, default=None,
+                   help="accepted pushes per shard before the running median is trusted (default 20)")
+    p.add_argument("--expel-after", type=int, default=None,
+                   help="a worker with this many refused updates in a row is expelled (default 10; 0: never)")
+    p.add_argument("--require-batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="every push must name a batch of a data task its sender holds (on with shoal local "
+                        "--secure; off lets a training loop outside the job's data tasks push)")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
@@ -53,7 +68,10 @@ def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:
                         cli={"mode": args.mode, "backup_workers": args.backup_workers, "staleness": args.staleness,
                              "lease_seconds": args.lease_seconds, "num_shards": num_shards,
                              "replicas": args.replicas, "recovery": args.recovery,
-                             "nonfinite": args.nonfinite})
+                             "nonfinite": args.nonfinite, "lr_factor": args.lr_factor,
+                             "grad_norm_factor": args.grad_norm_factor, "grad_norm_policy": args.grad_norm_policy,
+                             "grad_norm_warmup": args.grad_norm_warmup, "expel_after": args.expel_after,
+                             "require_batch": args.require_batch})
 
 
 _CHIEF_HELP = "the chief's HOST:PORT (default $SHOAL_CHIEF, the job file's cluster.chief or TF_CONFIG)"
@@ -231,6 +249,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     if shards < 1:
         raise InvalidArgument(f"--num-shards must be >= 1, got {shards}")
     job = _job_from(args, shards)
+    if args.secure and args.require_batch is None:      # a secure job: every push names its batch
+        job = dataclasses.replace(job, require_batch=True)
     ckpt = _checkpoint_from(args)
     cfg = LocalConfig(script=args.script, script_args=tuple(args.script_args), num_ps=args.ps,
                       num_workers=args.workers, job=job, compression=args.compression or "none",
@@ -314,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
                    help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
     security.add_token_arg(p)
-    p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
+    p.add_argument("--num-shards", type=int, default=os.environ.get("SHOAL_NUM_SHARDS", "1"),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--config", help=_CONFIG_HELP)

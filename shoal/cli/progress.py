@@ -233,6 +233,12 @@ def result_lines(summary: dict[str, Any], ok: bool, summary_path: str = "", log_
         lines.append(f"  exactly once    {_exactly_once(summary)}"
                      + ("" if summary.get("replicas_identical") is None else
                         f"; replicas identical: {'yes' if summary['replicas_identical'] else 'NO'}"))
+    guard = summary.get("update_guard")
+    if guard:       # the model was protected: said, and the run still ends 0
+        who = ", ".join(f"{w} {n}" for w, n in sorted(guard["refused"].items()))
+        lines.append(f"  update guard    protected the model: {sum(guard['refused'].values())} update(s) refused, "
+                     f"clipped or rolled back ({who})" + (f"; expelled {', '.join(guard['expelled'])}"
+                                                          if guard["expelled"] else ""))
     failed = {k: v for k, v in summary.get("worker_exit_codes", {}).items() if v != 0}
     if failed:
         lines.append("  worker exits    " + ", ".join(f"{k}={v}" for k, v in sorted(failed.items())))

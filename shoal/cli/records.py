@@ -85,11 +85,28 @@ def add_records(summary: dict[str, Any], shards: dict | None, replicas: dict | N
         summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in report["shards"]}
         if unread:      # the primary did not answer: its (empty) reply is not taken as that shard's record
             summary["shard_errors"] = unread
+        guarded = guard_record(report["shards"])
+        if guarded:
+            summary["update_guard"] = guarded
     if replicas is not None:
         summary["replicas"] = replicas
         summary["replicas_identical"] = replicas_identical(replicas)
     if final_step is not None:
         summary["final_checkpoint_step"] = final_step
+
+
+def guard_record(shards: list[dict]) -> dict | None:
+    """What the update guard (ps/guard.py) did over the run, from the primaries' status: the updates it
+    refused, clipped or rolled back per worker, the steps rolled back, the workers expelled; None: nothing."""
+    refused: dict[str, int] = {}
+    for sh in shards:
+        for w, n in sh.get("guard_refused", {}).items():
+            refused[w] = refused.get(w, 0) + n
+    rolled = sum(sh.get("rolled_back", 0) for sh in shards)
+    expelled = sorted({w for sh in shards for w in sh.get("expelled", ())})
+    if not refused and not rolled:
+        return None
+    return {"refused": refused, "rolled_back": rolled, "expelled": expelled}
 
 
 def _without_shards(summary: dict[str, Any]) -> dict | None:

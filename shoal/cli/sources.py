@@ -113,8 +113,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    try:
-        with grpc.insecure_channel(args.address) as channel:
+    from shoal.rpc import open_channel
+
+    try:    # TLS when this process's environment (SHOAL_TLS_*, the role's own) says the roles speak it
+        with open_channel(args.address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     except grpc.RpcError as exc:

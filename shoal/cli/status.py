@@ -33,7 +33,8 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
             entry.update(initialized=st.initialized, version=st.version, numel=st.numel, applied=st.pushes_applied, dropped=st.pushes_dropped,
                          backup_state=st.backup_state,
                          round_pending=st.round_pending, clocks=dict(st.worker_clocks),
-                         nonfinite=dict(st.nonfinite_refused),
+                         nonfinite=dict(st.nonfinite_refused), guard_refused=dict(st.guard_refused),
+                         rolled_back=st.rolled_back, expelled=list(st.expelled),
                          ledger=[{"epoch": e.epoch, "batches": e.applied, "max_count": e.max_count}
                                  for e in st.ledger])
         except grpc.RpcError as exc:
@@ -179,6 +180,12 @@ def render(s: dict[str, Any]) -> str:
     refused = [f"{w} {n} (shard {sh['shard']})" for sh in s["shards"] for w, n in sorted(sh.get("nonfinite", {}).items())]
     if refused:
         out += ["", "pushes refused for NaN/Inf: " + ", ".join(refused)]
+    guarded = [f"{w} {n}{' EXPELLED' if w in sh.get('expelled', ()) else ''} (shard {sh['shard']})"
+               for sh in s["shards"] for w, n in sorted(sh.get("guard_refused", {}).items())]
+    if guarded:
+        rolled = sum(sh.get("rolled_back", 0) for sh in s["shards"])
+        out += ["", "updates refused by the update guard (docs/update-safety.md): " + ", ".join(guarded) +
+                (f"; {rolled} step(s) rolled back" if rolled else "")]
     return "\n".join(out)
 
 

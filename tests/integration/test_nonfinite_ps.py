@@ -79,16 +79,18 @@ def test_an_init_with_nonfinite_weights_is_refused(ps):
     assert 0 not in host.shards
 
 
-def test_a_shard_whose_weights_overflowed_writes_no_checkpoint(ps, tmp_path):
+def test_a_gradient_that_would_overflow_the_weights_never_reaches_a_checkpoint(ps, tmp_path):
+    """The update guard (ps/guard.py) refuses it; were the weights non-finite anyway, WriteShard would
+    refuse to write them (ps/checkpoint_servicer.py)."""
     host, addr = ps
     c = ShardClient(0, addr, 4, FP)
     c.init(torch.full((4,), 3e38), OptimizerSpec("sgd", {"lr": 1.0}))
-    assert push(c, torch.full((4,), -3e38), "k").accepted        # finite gradient, weights overflow to inf
+    r = push(c, torch.full((4,), -3e38), "k")       # finite gradient: the weights would overflow to inf
+    assert not r.accepted and "overflows fp32" in r.reason
     pending = CheckpointWriter(tmp_path).begin(1)
     ch = open_channel(addr)
-    with pytest.raises(grpc.RpcError) as err:
-        pb_grpc.ShardControlStub(ch).WriteShard(pb.WriteShardRequest(
-            shard=0, directory=str(pending.tmp), version=1, start=0, stop=4, layout_fingerprint=FP), timeout=5)
+    reply = pb_grpc.ShardControlStub(ch).WriteShard(pb.WriteShardRequest(
+        shard=0, directory=str(pending.tmp), version=0, start=0, stop=4, layout_fingerprint=FP, thaw=True), timeout=5)
     ch.close()
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "4 non-finite weight" in err.value.details()
-    assert not list(pending.tmp.iterdir())
+    assert reply.version == 0 and list(pending.tmp.iterdir())
+    assert torch.equal(host.shards[0].values(), torch.full((4,), 3e38))

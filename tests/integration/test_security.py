@@ -281,3 +281,54 @@ def test_a_message_over_the_cap_is_refused_before_it_reaches_a_servicer(monkeypa
         ch.close()
     finally:
         server.stop(0)
+
+
+def _cut_within(sock, seconds):
+    """Whether the server closes ``sock`` within ``seconds`` (polled, not slept)."""
+    deadline = time.monotonic() + seconds
+    sock.settimeout(0.05)
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(1 << 16) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_a_connection_silent_after_its_hello_or_stalling_in_a_head_is_cut(secure):
+    c, trainer, _ = secure
+    server = c.servers[0].channel
+    server.hello_timeout_s = 0.5
+    ticket = server.ticket
+    for then in (b"", tc.PREFIX.pack(tc.PULL, tc.MAX_HEAD, 0)):   # nothing; a large head announced, never sent
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            tc.send(sock, tc.HELLO, tc.hello(ticket, trainer.member_id, trainer.chief.credential))
+            kind, _, _ = tc.recv_prefix(sock, deadline=time.monotonic() + 5)
+            assert kind == tc.OK
+            sock.sendall(then)
+            assert _cut_within(sock, 4.0), then
+
+
+def test_an_idle_pooled_connection_cut_by_the_server_is_replaced_at_the_next_call(secure):
+    import select
+
+    c, trainer, model = secure
+    for ps in c.servers:
+        ps.channel.idle_timeout_s = 0.3
+    x, y = torch.randn(32, 8), torch.zeros(32, dtype=torch.long)
+
+    def step(xb, yb):
+        trainer.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        trainer.step()
+    batches = trainer.batches((x, y), batch_size=16, epochs=1)
+    step(*next(batches))                          # the connections' first requests: now they idle
+    tcp = trainer._clients[0].tcp
+    pooled = tcp.call(lambda sock: sock, timeout_s=5)
+    wait_until(lambda: select.select([pooled], [], [], 0)[0], timeout_s=10,
+               what="the server to cut the idle connection")
+    step(*next(batches))
+    assert trainer.routes.failovers == 0 and pooled.fileno() == -1      # replaced, not used

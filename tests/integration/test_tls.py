@@ -131,3 +131,15 @@ def test_tls_settings_are_checked_up_front(tmp_path, pki):
     bad.write_text("not a certificate")
     with pytest.raises(Exception, match="cannot load TLS material"):
         tls.TLSConfig(ca=str(bad)).client_context()
+
+
+def test_shoal_health_speaks_tls_to_a_tls_role(tls_job, pki, capsys, monkeypatch):
+    """The compose health checks run ``shoal health`` in the role's own environment (its SHOAL_TLS_*)."""
+    from shoal.cli.main import main
+
+    mine, _ = pki
+    for name in ("cert", "key", "ca"):
+        monkeypatch.setenv(tls.ENV[name], mine[name])
+    monkeypatch.setenv(tls.ENV["mutual"], "1")
+    assert main(["health", tls_job.chief_address]) == 0
+    assert "SERVING" in capsys.readouterr().out
