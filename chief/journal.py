@@ -120,8 +120,8 @@ class Journal:
                             f"move it away or pass --fresh to start the job over")
 
     def _move_aside(self) -> None:
-        """``chief.db`` (and its -wal/-shm) -> ``chief.db.bak`` (and ``chief.db.bak-wal``...), for a look later."""
-        for suffix in ("", "-wal", "-shm"):
+        """``chief.db`` (and its -wal/-shm/.job) -> ``chief.db.bak`` (and ``chief.db.bak-wal``...), for a look later."""
+        for suffix in ("", "-wal", "-shm", ".job"):     # .job: the job's marker (chief/identity.py)
             src = Path(f"{self.path}{suffix}")
             if src.exists():
                 src.replace(f"{self.path}.bak{suffix}")

@@ -8,6 +8,7 @@ import threading
 import time
 
 from shoal.chief.aio import SERVICE, AioServer
+from shoal.chief import identity
 from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
@@ -32,16 +33,28 @@ class ChiefServer:
                  checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
+        if self.journal is not None and not fresh:
+            try:
+                identity.check_not_lost(self.journal.path, saved)   # a journal that held a job and vanished
+            except JournalError:
+                self.journal.close()
+                raise
+        same_job: dict = {}
         if saved is not None and saved.get("stopped") and checkpoint is not None:
             log.warning("the journaled job stopped (%s); rolling back: starting over from the newest checkpoint "
                         "in %s", saved["stopped"], checkpoint.directory)
             path = self.journal.path
             self.journal.close()
+            # the same job, restarted from its checkpoint: its id stays, its next chief is a new generation
+            same_job = {"job_id": str(saved.get("job_id", "")), "generation": int(saved.get("generation", 0)) + 1}
             self.journal, saved = Journal(path, fresh=True), None
         self.recovered = saved is not None
-        self.state = self._recover(saved, job) if saved is not None else ChiefState(job, time.monotonic)
+        self.state = (self._recover(saved, job) if saved is not None
+                      else ChiefState(job, time.monotonic, **same_job))
         self.job = self.state.job
         self.servicer = ChiefServicer(self.state, self.journal)
+        if self.journal is not None and not self.recovered and not fresh and not same_job:
+            self.servicer.new_journal = str(self.journal.path)     # members of an older job: it was lost
         if autoscale is not None:
             self.servicer.autoscaler = Autoscaler(autoscale)
         self.checkpointer: Checkpointer | None = None
@@ -87,13 +100,15 @@ class ChiefServer:
     def start(self) -> "ChiefServer":
         if self.journal is not None:    # the recovered epoch, or the new job's secret, is durable before serving
             self.servicer.save("recovered" if self.recovered else "started")
+            identity.write_marker(self.journal.path, self.state.job_id, self.state.generation)
         self.server.start()
         self._ticker.start()
         if self.checkpointer is not None:
             self.checkpointer.start()
         self.server.set_serving(SERVICE, True)
-        log.info("chief serving on %s (mode %s, %d shard(s), lease %.1fs)", self.address,
-                 self.job.mode, self.job.num_shards, self.job.lease_seconds)
+        log.info("chief of job %s (generation %d) serving on %s (mode %s, %d shard(s), lease %.1fs)",
+                 self.state.job_id, self.state.generation, self.address, self.job.mode, self.job.num_shards,
+                 self.job.lease_seconds)
         return self
 
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
@@ -119,7 +134,7 @@ class ChiefServer:
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
-            if self.servicer.failed is not None:
+            if self.servicer.failed is not None or self.servicer.lost_journal:
                 self.server.set_serving(SERVICE, False)
                 self.failed.set()
                 return

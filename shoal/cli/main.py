@@ -139,6 +139,9 @@ def cmd_chief(args: argparse.Namespace) -> int:
         server.stopped.set()
     threading.Thread(target=lambda: (server.failed.wait(), done.set()), daemon=True).start()
     _serve_until_signalled(server, done)
+    if server.servicer.lost_journal:        # members of the job whose journal this was reached it
+        print(f"shoal chief: error: {server.servicer.lost_journal}", file=sys.stderr)
+        return EXIT_REFUSED
     if server.servicer.failed is not None:
         print(f"shoal chief: error: {server.servicer.failed}", file=sys.stderr)
         return 1
@@ -169,7 +172,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     _serve_until_signalled(server, server.gave_up)
     if server.gave_up_reason:
         print(f"shoal ps: error: {server.gave_up_reason}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return server.gave_up_code
     return 0
 
 
