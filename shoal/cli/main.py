@@ -239,6 +239,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                       num_workers=args.workers, job=job, compression=args.compression or "none",
                       pull_codec=args.pull_codec or "none", transport=args.transport or "tcp", summary=args.summary or "", run_dir=args.run_dir or "",
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
+                      allow_checkpoint_failures=args.allow_checkpoint_failures,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
                       keep_checkpoints=args.keep_checkpoints, config=args.config or "", autoscale=args.autoscale,
@@ -384,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
             p.add_argument("--config", help=_CONFIG_HELP)
             p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
+            p.add_argument("--allow-checkpoint-failures", action="store_true",
+                           help="a run whose checkpoints failed exits 0, not 73 (docs/exit-codes.md)")
             p.add_argument("--autoscale", action="store_true",
                            help="start and stop workers to follow the chief's desired count (the job file's "
                                 "autoscaling section); --workers is the count to start with")
