@@ -127,7 +127,9 @@ class PSServer:
 
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
-        self.host.set_view(workers, view.completed_epochs, list(view.shards))
+        servers = {m.member_id for m in view.members if m.role == pb.PS}     # a view lists the living only
+        self.host.set_view(workers, view.completed_epochs, list(view.shards),
+                           in_view=self.chief.member_id in servers)
 
     def _worker_dropped(self, member_id: str) -> None:
         """A worker's data connection closed under it: tell the chief, which ends the worker at once if
