@@ -313,6 +313,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             if self.autoscaler is not None:
                 metrics[DESIRED_WORKERS] = float(self.autoscaler.desired)
             return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=metrics,
+                               job_id=s.job_id, generation=s.generation,
                                workers_seen=len(workers), workers_live=len(s.members.alive(Role.WORKER)),
                                tasks_done=s.tasks.done_count, tasks_total=s.tasks.total,
                                job=convert.job_to_pb(s.job), queue_depth=s.tasks.depth,

@@ -133,3 +133,5 @@ def test_a_watch_from_another_generation_is_answered_at_once():
     assert svc.after_epoch(pb.ViewRequest(after_epoch=50, generation=1)) == 50
     assert svc.after_epoch(pb.ViewRequest(after_epoch=50)) == 50        # a member that knows no generation
     assert svc.after_epoch(pb.ViewRequest(after_epoch=50, generation=7)) == -1
+    stats = svc.GetJobStats(pb.Empty(), None)        # shoal status and the run summary name the job
+    assert (stats.job_id, stats.generation) == (svc.state.job_id, 1)
