@@ -9,6 +9,7 @@ import time
 
 from shoal.chief.aio import SERVICE, AioServer
 from shoal.chief import identity
+from shoal.chief.ckpt_record import write_pointer
 from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
@@ -61,6 +62,8 @@ class ChiefServer:
         if checkpoint is not None:
             resume(self.state, checkpoint, recovered=self.recovered)
             self.checkpointer = Checkpointer(self.state, self.servicer.lock, checkpoint)
+            if self.journal is not None:
+                self.checkpointer.on_record = self.servicer.save
         self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
         self.stopped = threading.Event()    # set when the job stopped (--recovery consistent lost a shard)
         self._closed = False
@@ -101,6 +104,9 @@ class ChiefServer:
         if self.journal is not None:    # the recovered epoch, or the new job's secret, is durable before serving
             self.servicer.save("recovered" if self.recovered else "started")
             identity.write_marker(self.journal.path, self.state.job_id, self.state.generation)
+        if self.checkpointer is not None:   # shoal export finds the job's checkpoint record through it
+            write_pointer(self.checkpointer.cfg.directory, self.state.job_id,
+                          self.journal.path if self.journal is not None else None)
         self.server.start()
         self._ticker.start()
         if self.checkpointer is not None:

@@ -18,6 +18,7 @@ from typing import Iterator
 
 from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief import identity
+from shoal.chief.ckpt_record import record_stats
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
 from shoal.chief.views import ViewBoard, check_scope
@@ -321,4 +322,5 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
                                batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
                                lost_shards=s.lost, stopped=s.stopped, metric_sources=dict(s.metric_sources),
-                               **(s.checkpoints.stats() if s.checkpoints is not None else {}))
+                               **{**(s.checkpoints.stats() if s.checkpoints is not None else {}),
+                                  **record_stats(s.ckpt_record)})     # the journaled record wins

@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 from shoal import tokens
 from shoal.chief import placement
+from shoal.chief.ckpt_record import CheckpointRecord
 from shoal.chief.identity import new_job_id
 from shoal.chief.membership import Membership
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
@@ -65,6 +66,7 @@ class ChiefState:
         self.metrics: dict[str, float] = {}
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
+        self.ckpt_record = CheckpointRecord()  # the job's failed and committed checkpoint steps (journaled)
 
     def _changed(self, why: str) -> None:
         self.epoch += 1
@@ -385,6 +387,7 @@ class ChiefState:
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
+            "checkpoint_record": self.ckpt_record.to_dict(),
         }
 
     def journal_snapshot(self) -> dict:
@@ -433,6 +436,7 @@ class ChiefState:
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}
+        s.ckpt_record = CheckpointRecord.from_dict(d.get("checkpoint_record"))
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])
         if recover:

@@ -325,7 +325,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources", "job_id", "generation")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources", "job_id", "generation", "checkpoint_missing_steps", "last_applied_step")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,8 @@ class JobStats(_message.Message):
     METRIC_SOURCES_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_MISSING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -386,7 +388,9 @@ class JobStats(_message.Message):
     metric_sources: _containers.ScalarMap[str, str]
     job_id: str
     generation: int
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    checkpoint_missing_steps: _containers.RepeatedScalarFieldContainer[int]
+    last_applied_step: int
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ..., checkpoint_missing_steps: _Optional[_Iterable[int]] = ..., last_applied_step: _Optional[int] = ...) -> None: ...
 
 class UnreachableReport(_message.Message):
     __slots__ = ("reporter_id", "member_id")

@@ -483,9 +483,10 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     if cfg.summary:
         write_json(Path(cfg.summary), summary)
     if summary.get("checkpoints_failed"):
-        log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
-                  summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
-                  summary.get("checkpoint_step", "none"))
+        log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s; "
+                  "missing steps: %s", summary["checkpoints_failed"], summary["checkpoint_failed_step"],
+                  summary["checkpoint_error"], summary.get("checkpoint_step", "none"),
+                  ", ".join(map(str, summary.get("checkpoint_missing_steps", []))) or "none")
     if summary.get("lost_shards") and summary.get("exactly_once") is True:   # after the final checkpoint
         log.warning("shard(s) %s lost every live copy once the final checkpoint held all their updates: their "
                     "records were read from it", summary["lost_shards"])

@@ -277,8 +277,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shoal.checkpoint import export_checkpoint
     from shoal.checkpoint_store import read_failure
 
+    from shoal.cli.export_check import check_fresh, job_record
+
+    def check(ckpt) -> None:
+        if args.allow_stale:
+            return
+        found = job_record(Path(ckpt.path).parent, args.journal)
+        if found is not None:
+            check_fresh(ckpt.step, Path(ckpt.path), *found)
+
     try:
-        out, ckpt = export_checkpoint(args.checkpoint, args.out)
+        out, ckpt = export_checkpoint(args.checkpoint, args.out, check)
     except OSError as exc:
         raise ShoalError(f"cannot export {args.checkpoint} to {args.out}: {exc}") from exc
     print(f"wrote {out}: step {ckpt.step} from {ckpt.path}")
@@ -337,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
     p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
     p.add_argument("out", help="output file, e.g. model.pt")
+    p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
+                   help="the job's chief journal, which records failed checkpoints (default: the one the chief "
+                        "named in <checkpoint dir>/job.json)")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="export a checkpoint older than the job's last applied update (exit 73 without it)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("status", help="print the job at a glance")

@@ -240,5 +240,7 @@ def build_summary(cfg: "LocalConfig", codes: dict[str, int], seconds: float, sta
         if stats.checkpoints_failed:
             summary.update(checkpoints_failed=stats.checkpoints_failed,
                            checkpoint_failed_step=stats.checkpoint_failed_step,
-                           checkpoint_error=stats.checkpoint_error)
+                           checkpoint_error=stats.checkpoint_error,
+                           # failed steps no later checkpoint covers (the chief's journal): exit 73
+                           checkpoint_missing_steps=list(stats.checkpoint_missing_steps))
     return summary

@@ -20,8 +20,11 @@ def test_a_run_that_lost_batches_under_fast_recovery_or_failed_checkpoints_does_
     assert run_code(lost, ok=True) == errors.EXIT_DATA_LOST == 65
     # the copies died after the final checkpoint held every update: nothing was lost
     assert run_code({"lost_shards": [0], "exactly_once": True}, ok=True) == 0
-    failed = {"exactly_once": True, "checkpoints_failed": 2, "checkpoint_failed_step": 40}
+    failed = {"exactly_once": True, "checkpoints_failed": 2, "checkpoint_failed_step": 40,
+              "checkpoint_missing_steps": [30, 40]}
     assert run_code(failed, ok=True) == errors.EXIT_CHECKPOINT_FAILED == 73
+    healed = {**failed, "checkpoint_missing_steps": []}      # a later checkpoint holds the job's state
+    assert run_code(healed, ok=True) == 0
     assert run_code(failed, ok=True, allow_checkpoint_failures=True) == 0
     assert run_code({**lost, **failed, "exactly_once": False}, ok=True) == 65     # the worse of the two
     assert mark({}, 65) == {"exit_code": 65, "outcome": "finished with data lost"}

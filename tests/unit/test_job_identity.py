@@ -135,3 +135,24 @@ def test_a_watch_from_another_generation_is_answered_at_once():
     assert svc.after_epoch(pb.ViewRequest(after_epoch=50, generation=7)) == -1
     stats = svc.GetJobStats(pb.Empty(), None)        # shoal status and the run summary name the job
     assert (stats.job_id, stats.generation) == (svc.state.job_id, 1)
+
+
+def test_a_corrupt_page_inside_the_journal_is_one_line(tmp_path):
+    """SQLite's integrity report spans a line per problem (101 lines for one bad page): the error is one."""
+    import sqlite3
+
+    path = tmp_path / "chief.db"
+    c = _chief(path).start()
+    with c.servicer.lock:
+        c.state.metrics.update({f"m{i}": float(i) for i in range(3000)})       # a journal of several pages
+    c.servicer.save("bulk")
+    c.stop(grace_s=0)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    data = bytearray(path.read_bytes())
+    data[2 * 4096 + 100:2 * 4096 + 2000] = b"\x5a" * 1900                     # garbage inside page 3
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalUnreadable) as err:
+        _chief(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value) and "--fresh" in str(err.value)
