@@ -36,7 +36,8 @@ def test_a_full_checkpoint_disk_is_journaled_survives_a_chief_restart_and_export
         c.stop_chief()
         c.start_chief()                              # a new generation reads the record from the journal
         again = job_stats(c)
-        assert list(again.checkpoint_missing_steps) == missing and again.checkpoints_failed == stats.checkpoints_failed
+        # (the new chief may have tried the same step once more: the disk is still full)
+        assert list(again.checkpoint_missing_steps) == missing and again.checkpoints_failed >= stats.checkpoints_failed
         assert "No space left on device" in again.checkpoint_error
     finally:
         c.stop()
