@@ -417,7 +417,7 @@ class LocalCluster:
                 failing = stats.checkpoint_failed_step >= target > 0 and time.monotonic() - t0 >= min(wait_s, 10.0)
             if time.monotonic() >= deadline or failing:
                 log.warning("the final checkpoint (step %d) was not written within %.0fs; the newest is step %d "
-                            "(see the chief's log for why)", target, wait_s, step)
+                            "(see the chief's log for why)", target, time.monotonic() - t0, step)
                 return step
             time.sleep(0.2)
 
