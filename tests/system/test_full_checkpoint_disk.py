@@ -41,8 +41,8 @@ def fill(disk) -> None:
 
 
 def test_a_full_checkpoint_disk_ends_the_run_with_73_and_export_refuses_the_stale_checkpoint(tmp_path, small_disk):
-    proc = start_local(tmp_path, "--ps", "1", "--workers", "2", "--mode", "sync", "--checkpoint-dir", str(small_disk),
-                       "--checkpoint-interval", "10", script_args=("--epochs", "3"))
+    proc = start_local(tmp_path, "--ps", "1", "--workers", "1", "--mode", "sync", "--checkpoint-dir", str(small_disk),
+                       "--checkpoint-interval", "10", script_args=("--epochs", "2"))
     try:
         wait_until(lambda: load_latest(small_disk) is not None, timeout_s=120, what="a first checkpoint")
         fill(small_disk)
