@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.chief.ckpt_record import CheckpointRecord, read_pointer
+from shoal.chief.ckpt_record import POINTER, CheckpointRecord, read_pointer
 from shoal.chief.journal import read_state
 from shoal.errors import EXIT_CHECKPOINT_FAILED, FailedPrecondition
 
@@ -19,13 +19,20 @@ class StaleCheckpoint(FailedPrecondition):
     exit_code = EXIT_CHECKPOINT_FAILED
 
 
-def job_record(root: Path, journal: str = "") -> tuple[CheckpointRecord, str] | None:
+def job_record(root: Path, journal: str = "", warn=None) -> tuple[CheckpointRecord, str] | None:
     """The journaled record of the job whose checkpoints lie under ``root``, and the journal's path; None
-    when no journal is named and the pointer names none (a job run without one)."""
+    when no journal is named and the pointer names none (a job run without one), or names one that is gone
+    (a ``shoal local`` run dir in /tmp, removed): then ``warn(line)`` says the check was not made. A journal
+    named with ``--journal`` must be readable."""
     if not journal:
         pointer = read_pointer(root) or {}
         journal = str(pointer.get("journal") or "")
         if not journal:
+            return None
+        if not Path(journal).is_file():
+            if warn is not None:
+                warn(f"the job's journal {journal} (named in {Path(root) / POINTER}) is gone: cannot check that "
+                     f"this checkpoint is the job's newest state (--journal names another copy)")
             return None
     state = read_state(journal)
     if state is None:

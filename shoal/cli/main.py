@@ -282,7 +282,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     def check(ckpt) -> None:
         if args.allow_stale:
             return
-        found = job_record(Path(ckpt.path).parent, args.journal)
+        found = job_record(Path(ckpt.path).parent, args.journal,
+                           lambda line: print(f"warning: {line}", file=sys.stderr))
         if found is not None:
             check_fresh(ckpt.step, Path(ckpt.path), *found)
 

@@ -50,3 +50,25 @@ def test_a_full_checkpoint_disk_is_journaled_survives_a_chief_restart_and_export
     assert not (tmp_path / "m.pt").exists()
     assert cli.main(["export", "--allow-stale", str(root), str(tmp_path / "m.pt")]) == 0
     assert (tmp_path / "m.pt").exists()
+
+
+def test_export_says_so_when_the_journal_the_pointer_names_is_gone(tmp_path, capsys):
+    """A ``shoal local`` run dir in /tmp is removed with its journal: export goes on, with one warning line."""
+    from shoal.chief.ckpt_record import write_pointer
+
+    root = tmp_path / "ckpts"
+    cfg = CheckpointConfig(str(root), Interval(steps=4), keep=3, poll_s=0.05)
+    c = InProcessCluster(1, JobConfig(mode="sync", num_shards=1), checkpoint=cfg)
+    try:
+        model = mlp(0)
+        t = Trainer(model, chief=c.chief_address, optimizer="adam", lr=0.02)
+        train(t, model, until=lambda: job_stats(c).checkpoints_written >= 1)
+        t.close()
+    finally:
+        c.stop()
+    write_pointer(root, "job-gone", tmp_path / "run" / "chief.db")
+    capsys.readouterr()
+    assert cli.main(["export", str(root), str(tmp_path / "m.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "is gone: cannot check" in err and err.count("\n") == 1
+    assert cli.main(["export", "--journal", str(tmp_path / "run" / "chief.db"), str(root), str(tmp_path / "n.pt")]) == 78
