@@ -202,7 +202,7 @@ class AsyncChief:
                 scope, _ = s.watch_begin(request, waker)
             except ShoalError as exc:
                 raise _Aborted(exc.code, str(exc)) from exc
-            asked = pb.ViewRequest(member_id=request.member_id, scope=request.scope, after_epoch=request.after_epoch)
+            asked = pb.ViewRequest(member_id=request.member_id, scope=request.scope, after_epoch=s.after_epoch(request))
             try:
                 while True:
                     while not s.watch_done(scope, asked.after_epoch):
@@ -302,6 +302,7 @@ class AsyncChief:
         except ShoalError as exc:
             raise _Aborted(exc.code, str(exc)) from exc
         answered = False
+        request.after_epoch = s.after_epoch(request)
         try:
             while not s.watch_done(scope, request.after_epoch):
                 left = deadline - time.monotonic()

@@ -260,6 +260,9 @@ class Checkpointer:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="checkpoint")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chief-checkpointer", daemon=True)
+        # journals the state now (the servicer's save): a checkpoint's failure or commit is in the job's
+        # record (chief/ckpt_record.py) before the next attempt, wherever the checkpoint disk stands
+        self.on_record: Callable[[str], None] | None = None
 
     def start(self) -> "Checkpointer":
         log.info("checkpoints every %s into %s (keeping %d)", self.cfg.interval, self.cfg.directory, self.cfg.keep)
@@ -370,11 +373,13 @@ class Checkpointer:
                 pending.abort()
             with self.lock:
                 self.status.failed_attempt(top, _describe(exc))
+                self.state.ckpt_record.failed_attempt(top, _describe(exc))
                 failed, newest = self.status.failed, self.status.last_step
             log.error("checkpoint at step %d aborted (%s); trying again at the next interval (%d attempt(s) "
                       "FAILED so far; the newest checkpoint is step %d)", top, _describe(exc), failed, newest,
                       exc_info=not isinstance(exc, (grpc.RpcError, ShoalError, OSError)))
             record_failure(self.writer.root, top, _describe(exc))
+            self._journal(f"checkpoint step {top} failed")
             self._retry_at = self._clock() + self.RETRY_FINAL_S
             return None
         finally:
@@ -385,10 +390,20 @@ class Checkpointer:
         self.pauses.append(held)
         with self.lock:
             self.status.committed(path, target)
+            self.state.ckpt_record.committed_at(target)
+        self._journal(f"checkpoint step {target} committed")
         metrics.CHECKPOINT_SECONDS.observe(self._clock() - t0)
         log.info("checkpoint step %d committed to %s: updates held %.1f ms (freeze to thaw), %.1f ms in all",
                  target, path, held * 1e3, (self._clock() - t0) * 1e3)
         return path
+
+    def _journal(self, event: str) -> None:
+        if self.on_record is None:
+            return
+        try:
+            self.on_record(event)
+        except ShoalError as exc:      # the chief's journal failed too: the servicer stops the chief
+            log.error("cannot journal the checkpoint record (%s)", exc)
 
     def _freeze_all(self, routes: list["Route"], top: int) -> int:
         target = top

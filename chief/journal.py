@@ -127,12 +127,11 @@ class Journal:
             raise self._unreadable(exc) from exc
 
     def _unreadable(self, exc: Exception) -> JournalError:
-        return JournalUnreadable(f"chief journal {self.path} is unreadable or corrupt ({exc}); "
-                            f"move it away or pass --fresh to start the job over")
+        return _unreadable(self.path, exc)
 
     def _move_aside(self) -> None:
-        """``chief.db`` (and its -wal/-shm) -> ``chief.db.bak`` (and ``chief.db.bak-wal``...), for a look later."""
-        for suffix in ("", "-wal", "-shm"):
+        """``chief.db`` (and its -wal/-shm/.job) -> ``chief.db.bak`` (and ``chief.db.bak-wal``...), for a look later."""
+        for suffix in ("", "-wal", "-shm", ".job"):     # .job: the job's marker (chief/identity.py)
             src = Path(f"{self.path}{suffix}")
             if src.exists():
                 src.replace(f"{self.path}.bak{suffix}")
@@ -148,18 +147,7 @@ class Journal:
                 changes = self._db.execute("SELECT kind, body FROM changes ORDER BY seq").fetchall()
             except sqlite3.Error as exc:
                 raise self._unreadable(exc) from exc
-        if row is None:
-            return None
-        try:
-            (text,) = row
-            state = json.loads(text)
-            if not isinstance(state, dict):
-                raise ValueError(f"snapshot is a {type(state).__name__}, not an object")
-            return replay(state, [(kind, json.loads(body)) for kind, body in changes])
-        except (ValueError, KeyError, TypeError, IndexError, ShoalError) as exc:
-            # ShoalError: a task op the queue refuses (a task nobody holds, no dataset): only a corrupt
-            # journal holds one
-            raise self._unreadable(exc) from exc
+        return _decode(self.path, row, changes)
 
     def write(self, state: dict, event: str) -> None:
         """Replaces the snapshot (and the changes since) and logs ``event``, atomically and durably
@@ -212,7 +200,7 @@ class Journal:
                 except sqlite3.Error:
                     pass
                 self._need_snapshot = True     # what the failed write held is in no row: start over whole
-                raise JournalError(f"cannot write the chief journal {self.path}: {exc}") from exc
+                raise JournalError(f"cannot write the chief journal {self.path}: {_one_line(exc)}") from exc
         if snapshot is not None:
             self.snapshots += 1
             self._snapshot_bytes, self._change_bytes = len(snapshot), 0
@@ -240,6 +228,51 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def read_state(path: str | os.PathLike) -> dict | None:
+    """The journaled state, opened read-only (by another process, e.g. ``shoal export``, while the chief
+    may be running), or None for a journal that holds none. Errors are one :class:`JournalUnreadable` line."""
+    path = Path(path)
+    if not path.is_file():
+        raise JournalUnreadable(f"chief journal {path} does not exist")
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+        try:
+            row = db.execute("SELECT state FROM snapshot WHERE id = 1").fetchone()
+            changes = db.execute("SELECT kind, body FROM changes ORDER BY seq").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise _unreadable(path, exc) from exc
+    return _decode(path, row, changes)
+
+
+def _unreadable(path: Path, exc: Exception) -> JournalUnreadable:
+    return JournalUnreadable(f"chief journal {path} is unreadable or corrupt ({_one_line(exc)}); "
+                             f"move it away or pass --fresh to start the job over")
+
+
+def _one_line(exc: Exception) -> str:
+    """An error's text on one line (SQLite's integrity reports and JSON errors can span several)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _decode(path: Path, row, changes: list) -> dict | None:
+    """The snapshot ``row`` with the ``changes`` rows replayed on it (None: no snapshot yet)."""
+    if row is None:
+        return None
+    try:
+        (text,) = row
+        state = json.loads(text)
+        if not isinstance(state, dict):
+            raise ValueError(f"snapshot is a {type(state).__name__}, not an object")
+        return replay(state, [(kind, json.loads(body)) for kind, body in changes])
+    except (ValueError, KeyError, TypeError, IndexError, ShoalError) as exc:
+        # ShoalError: a task op the queue refuses (a task nobody holds, no dataset): only a corrupt
+        # journal holds one
+        raise _unreadable(path, exc) from exc
 
 
 def replay(state: dict, changes: list[tuple[str, object]]) -> dict:

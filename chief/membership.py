@@ -28,7 +28,13 @@ host): on waking, every lease would look lapsed before the heartbeats waiting
 in its socket are read. So a chief that sees a gap in its own progress
 (:meth:`Membership.bridge_pauses_over`: two lease checks further apart than
 expected) extends every live lease by the gap first: time it did not run
-counts against no one.
+counts against no one. For a lease of its own running time after such a gap
+it cuts short no lease of a member it heard from since waking: the connections
+its members saw break while it stood still (their keepalive pings went
+unanswered) are its own doing, not theirs, so such a member expires only after
+a full lease of the chief's running time without news. Heartbeats and cuts look
+for the gap first, so a heartbeat and a broken watch handled before the next
+lease check still count as after the pause.
 
 Likewise a chief cut off from the network hears from no parameter server at
 all: every server's lease lapses at once, and expiring them declares every
@@ -84,6 +90,8 @@ class Membership:
         self._dirty: dict[str, None] = {}              # members changed since the journal's last write
         self._max_gap_s: float | None = None           # see bridge_pauses_over
         self._last_check: float | None = None
+        self._settle_until = float("-inf")          # a lease after a bridged pause: see _heard
+        self._heard: set[str] = set()                  # members heard from since that pause: no cuts
         self.pauses_bridged = 0
         # How far behind the chief's own server is in taking calls (its event loop's lag, chief/aio.py):
         # a heartbeat that waited that long in the chief's queue was sent in time, so a lease is judged
@@ -164,7 +172,11 @@ class Membership:
         m = self._members.get(member_id)
         if m is None or not m.live:
             return False
-        m.lease_until = self._clock() + self.lease_seconds
+        now = self._clock()
+        self._bridge_gap(now)          # a heartbeat read on waking is news from after the pause
+        m.lease_until = now + self.lease_seconds
+        if now < self._settle_until:
+            self._heard.add(member_id)
         if counters is not None:
             m.counters = counters
         self._dirty[member_id] = None
@@ -264,6 +276,8 @@ class Membership:
         if self._max_gap_s is None or last is None or now - last <= self._max_gap_s:
             return
         gap = now - last
+        self._settle_until = now + self.lease_seconds
+        self._heard = set()
         extended = 0
         for m in self._members.values():
             if m.live:
@@ -287,7 +301,13 @@ class Membership:
         m = self._members.get(member_id)
         if m is None or not m.live:
             return False
-        until = self._clock() + left_s
+        now = self._clock()
+        self._bridge_gap(now)          # a pause not yet seen by a lease check is seen now
+        if now < self._settle_until and member_id in self._heard:
+            log.debug("member %s: connection closed within a lease of the chief's own pause, and heard from "
+                      "since: lease not cut", member_id)
+            return False
+        until = now + left_s
         if until < m.lease_until:
             m.lease_until = until
             self._queue(m)                             # earlier than its entry: filed again
@@ -325,7 +345,8 @@ class Membership:
         m = self._members.get(member_id)
         if m is None or not m.live or m.role is not Role.WORKER:
             return False
-        self.cut_lease(member_id, self.lease_seconds / 3)
+        if not self.cut_lease(member_id, self.lease_seconds / 3):
+            return False                   # within a lease of the chief's own pause: not a sighting
         self._conn_lost[member_id] = self._clock()
         return self._recent(self._watch_broken, member_id)
 

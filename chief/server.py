@@ -8,6 +8,8 @@ import threading
 import time
 
 from shoal.chief.aio import SERVICE, AioServer
+from shoal.chief import identity
+from shoal.chief.ckpt_record import write_pointer
 from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
@@ -32,22 +34,36 @@ class ChiefServer:
                  checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
+        if self.journal is not None and not fresh:
+            try:
+                identity.check_not_lost(self.journal.path, saved)   # a journal that held a job and vanished
+            except JournalError:
+                self.journal.close()
+                raise
+        same_job: dict = {}
         if saved is not None and saved.get("stopped") and checkpoint is not None:
             log.warning("the journaled job stopped (%s); rolling back: starting over from the newest checkpoint "
                         "in %s", saved["stopped"], checkpoint.directory)
             path = self.journal.path
             self.journal.close()
+            # the same job, restarted from its checkpoint: its id stays, its next chief is a new generation
+            same_job = {"job_id": str(saved.get("job_id", "")), "generation": int(saved.get("generation", 0)) + 1}
             self.journal, saved = Journal(path, fresh=True), None
         self.recovered = saved is not None
-        self.state = self._recover(saved, job) if saved is not None else ChiefState(job, time.monotonic)
+        self.state = (self._recover(saved, job) if saved is not None
+                      else ChiefState(job, time.monotonic, **same_job))
         self.job = self.state.job
         self.servicer = ChiefServicer(self.state, self.journal)
+        if self.journal is not None and not self.recovered and not fresh and not same_job:
+            self.servicer.new_journal = str(self.journal.path)     # members of an older job: it was lost
         if autoscale is not None:
             self.servicer.autoscaler = Autoscaler(autoscale)
         self.checkpointer: Checkpointer | None = None
         if checkpoint is not None:
             resume(self.state, checkpoint, recovered=self.recovered)
             self.checkpointer = Checkpointer(self.state, self.servicer.lock, checkpoint)
+            if self.journal is not None:
+                self.checkpointer.on_record = self.servicer.save
         self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
         self.stopped = threading.Event()    # set when the job stopped (--recovery consistent lost a shard)
         self._closed = False
@@ -87,6 +103,10 @@ class ChiefServer:
     def start(self) -> "ChiefServer":
         if self.journal is not None:    # the recovered epoch, or the new job's secret, is durable before serving
             self.servicer.save("recovered" if self.recovered else "started")
+            identity.write_marker(self.journal.path, self.state.job_id, self.state.generation)
+        if self.checkpointer is not None:   # shoal export finds the job's checkpoint record through it
+            write_pointer(self.checkpointer.cfg.directory, self.state.job_id,
+                          self.journal.path if self.journal is not None else None)
         self.server.start()
         self._ticker.start()
         if self.checkpointer is not None:
@@ -94,8 +114,9 @@ class ChiefServer:
         self.server.set_serving(SERVICE, True)
         host = self.bind.rsplit(":", 1)[0].strip("[]")
         bound = f"{host or '0.0.0.0'}:{self.port}"        # what it listens on, not the loopback it is dialled at
-        log.info("chief serving on %s (mode %s, %d shard(s), lease %.1fs)", bound, self.job.mode,
-                 self.job.num_shards, self.job.lease_seconds)
+        log.info("chief of job %s (generation %d) serving on %s (mode %s, %d shard(s), lease %.1fs)",
+                 self.state.job_id, self.state.generation, bound, self.job.mode, self.job.num_shards,
+                 self.job.lease_seconds)
         return self
 
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
@@ -121,7 +142,7 @@ class ChiefServer:
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
-            if self.servicer.failed is not None:
+            if self.servicer.failed is not None or self.servicer.lost_journal:
                 self.server.set_serving(SERVICE, False)
                 self.failed.set()
                 return

@@ -17,6 +17,8 @@ import time
 from typing import Iterator
 
 from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
+from shoal.chief import identity
+from shoal.chief.ckpt_record import record_stats
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
 from shoal.chief.views import ViewBoard, check_scope
@@ -45,6 +47,10 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self.guard = auth.Guard(self._credential_key)
         self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
         self.views = ViewBoard(state)        # the open watches and what they are answered with
+        # a chief that started a new job on an empty or missing journal (not --fresh): if a member of another
+        # job reaches it, that journal was lost, and ``lost_journal`` says so (the chief exits EXIT_REFUSED)
+        self.new_journal: str | None = None
+        self.lost_journal = ""
 
     def _credential_key(self) -> bytes:
         return tokens.public_key(self.state.secret)
@@ -151,6 +157,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         if member_id and not self.guard.speaks_for(context, member_id):
             member_id = ""      # only the member itself re-attaches under its id; anyone else joins anew
         with self._locked():
+            self._check_job(request)
             if request.role == pb.WORKER:
                 m = self.state.join_worker(convert.layout_from_pb(request.layout), request.host, member_id)
                 shard = -1
@@ -169,6 +176,22 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                 restore_checkpoint=ckpts.restore_path() if ckpts and request.role == pb.PS else "",
                                 credential=auth.issue(self.state.secret, m.member_id,
                                                       auth.PS if request.role == pb.PS else auth.WORKER))
+
+    def _check_job(self, request) -> None:
+        """Refuses a member of another job (lock held). On a chief that began a new job on a journal that
+        held nothing, it is the sign that the journal was lost: ``lost_journal`` is set (chief/identity.py)."""
+        if not request.job_id or request.job_id == self.state.job_id:
+            return
+        new = self.new_journal is not None
+        exc = identity.foreign(request.job_id, request.generation, self.state.job_id, self.state.generation,
+                               self.new_journal or (str(self.journal.path) if self.journal else ""), new)
+        if new and not self.lost_journal:
+            self.lost_journal = (f"chief journal {self.new_journal} is missing or empty but members of job "
+                                 f"{request.job_id} (generation {request.generation}) reach this chief: the job's "
+                                 f"state is lost; restore the journal, or pass --fresh to start a new job")
+            log.error("%s", self.lost_journal)
+        log.warning("refused a %s join: %s", "ps" if request.role == pb.PS else "worker", exc)
+        raise exc
 
     @grpc_errors
     def Heartbeat(self, request, context):
@@ -213,6 +236,14 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 self.views.changed()
             self.views.watches[scope].add(woke)
         return scope, deadline
+
+    def after_epoch(self, request) -> int:
+        """The epoch a watch waits past: none (-1) when the watcher's epoch is of another generation (a
+        recovered chief's epoch may be lower than the one the member saw, if the journal lost its last
+        writes: its view is newer all the same)."""
+        if request.generation and request.generation != self.state.generation:
+            return -1
+        return request.after_epoch
 
     def watch_done(self, scope: int, after_epoch: int) -> bool:
         return self.views.waits_past(scope) > after_epoch or self.failed is not None
@@ -283,6 +314,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             if self.autoscaler is not None:
                 metrics[DESIRED_WORKERS] = float(self.autoscaler.desired)
             return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=metrics,
+                               job_id=s.job_id, generation=s.generation,
                                workers_seen=len(workers), workers_live=len(s.members.alive(Role.WORKER)),
                                tasks_done=s.tasks.done_count, tasks_total=s.tasks.total,
                                job=convert.job_to_pb(s.job), queue_depth=s.tasks.depth,
@@ -290,4 +322,5 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
                                batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
                                lost_shards=s.lost, stopped=s.stopped, metric_sources=dict(s.metric_sources),
-                               **(s.checkpoints.stats() if s.checkpoints is not None else {}))
+                               **{**(s.checkpoints.stats() if s.checkpoints is not None else {}),
+                                  **record_stats(s.ckpt_record)})     # the journaled record wins

@@ -13,6 +13,8 @@ from typing import Callable, Mapping
 
 from shoal import tokens
 from shoal.chief import placement
+from shoal.chief.ckpt_record import CheckpointRecord
+from shoal.chief.identity import new_job_id
 from shoal.chief.membership import Membership
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
@@ -35,8 +37,12 @@ READABLE_FORMATS = (1, 2, 3)
 
 class ChiefState:
     def __init__(self, job: JobConfig, clock: Callable[[], float], secret: bytes | None = None,
-                 straggler_factor: float = 2.0):
+                 straggler_factor: float = 2.0, job_id: str = "", generation: int = 1):
         self.job = job
+        # who the job is (chief/identity.py): made once, journaled, in every view; a chief recovered
+        # from the journal is the next generation of the same job
+        self.job_id = job_id or new_job_id()
+        self.generation = generation
         self.secret = secret or tokens.new_secret()
         self.straggler_factor = straggler_factor
         self.step_seconds: dict[str, float] = {}
@@ -60,6 +66,7 @@ class ChiefState:
         self.metrics: dict[str, float] = {}
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
+        self.ckpt_record = CheckpointRecord()  # the job's failed and committed checkpoint steps (journaled)
 
     def _changed(self, why: str) -> None:
         self.epoch += 1
@@ -338,7 +345,8 @@ class ChiefState:
         routes = tuple(routes)
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
-                    *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()))
+                    *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()),
+                    job_id=self.job_id, generation=self.generation)
 
     def totals(self) -> Counters:
         out = Counters()
@@ -366,6 +374,8 @@ class ChiefState:
             "format": STATE_FORMAT,
             "job": dataclasses.asdict(self.job),
             "epoch": self.epoch,
+            "job_id": self.job_id,
+            "generation": self.generation,
             "secret": self.secret.hex(),
             "straggler_factor": self.straggler_factor,
             "layout": None if self.layout is None else [[t.name, list(t.shape), t.dtype] for t in self.layout.specs],
@@ -377,6 +387,7 @@ class ChiefState:
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
+            "checkpoint_record": self.ckpt_record.to_dict(),
         }
 
     def journal_snapshot(self) -> dict:
@@ -407,8 +418,11 @@ class ChiefState:
         if d.get("format") not in READABLE_FORMATS:
             raise InvalidArgument(f"chief state has format {d.get('format')!r}, this chief reads "
                                   f"{', '.join(map(str, READABLE_FORMATS))}")
+        # a journal from before job ids: the job gets one now, and keeps it from the next write on
+        generation = int(d.get("generation", 0))
         s = cls(JobConfig(**d["job"]), clock, secret=bytes.fromhex(d["secret"]),
-                straggler_factor=float(d["straggler_factor"]))
+                straggler_factor=float(d["straggler_factor"]), job_id=str(d.get("job_id", "")),
+                generation=generation + 1 if recover else max(generation, 1))
         s.epoch = int(d["epoch"])
         s.step_seconds = {k: float(v) for k, v in d["step_seconds"].items()}
         if d["layout"] is not None:
@@ -422,6 +436,7 @@ class ChiefState:
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}
+        s.ckpt_record = CheckpointRecord.from_dict(d.get("checkpoint_record"))
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])
         if recover:

@@ -94,20 +94,24 @@ class Counters(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., samples: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "address", "layout", "host", "member_id", "view_scope")
+    __slots__ = ("role", "address", "layout", "host", "member_id", "view_scope", "job_id", "generation")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     role: Role
     address: str
     layout: ModelLayout
     host: str
     member_id: str
     view_scope: ViewScope
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ..., view_scope: _Optional[_Union[ViewScope, str]] = ...) -> None: ...
+    job_id: str
+    generation: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ..., view_scope: _Optional[_Union[ViewScope, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
     __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler")
@@ -146,7 +150,7 @@ class ShardRoute(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ..., backup_complete: _Optional[bool] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged")
+    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged", "job_id", "generation")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +162,8 @@ class ClusterView(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_RANK_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardRoute]
@@ -169,7 +175,9 @@ class ClusterView(_message.Message):
     num_workers: int
     worker_rank: int
     unchanged: bool
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+    job_id: str
+    generation: int
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "lease_seconds", "view", "shard", "restore_checkpoint", "credential", "verify_key")
@@ -236,16 +244,18 @@ class LeaveRequest(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
 
 class ViewRequest(_message.Message):
-    __slots__ = ("after_epoch", "timeout_seconds", "member_id", "scope")
+    __slots__ = ("after_epoch", "timeout_seconds", "member_id", "scope", "generation")
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     after_epoch: int
     timeout_seconds: float
     member_id: str
     scope: ViewScope
-    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., member_id: _Optional[str] = ..., scope: _Optional[_Union[ViewScope, str]] = ...) -> None: ...
+    generation: int
+    def __init__(self, after_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., member_id: _Optional[str] = ..., scope: _Optional[_Union[ViewScope, str]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
     __slots__ = ("size", "batch_size", "epochs", "batches_per_task", "seed")
@@ -333,7 +343,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources", "job_id", "generation", "checkpoint_missing_steps", "last_applied_step")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +379,10 @@ class JobStats(_message.Message):
     CHECKPOINT_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     METRIC_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_MISSING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -390,7 +404,11 @@ class JobStats(_message.Message):
     checkpoint_failed_step: int
     checkpoint_error: str
     metric_sources: _containers.ScalarMap[str, str]
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    job_id: str
+    generation: int
+    checkpoint_missing_steps: _containers.RepeatedScalarFieldContainer[int]
+    last_applied_step: int
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ..., checkpoint_missing_steps: _Optional[_Iterable[int]] = ..., last_applied_step: _Optional[int] = ...) -> None: ...
 
 class UnreachableReport(_message.Message):
     __slots__ = ("reporter_id", "member_id")

@@ -222,13 +222,15 @@ class ShardHost:
     # ------------------------------------------------------------ the view
 
     def set_view(self, workers: frozenset[str], completed_epochs: int,
-                 routes: list[pb.ShardRoute] | None = None) -> None:
+                 routes: list[pb.ShardRoute] | None = None, in_view: bool = True) -> None:
+        """``in_view``: the view lists this server alive. One that does not (the chief expired it: it was
+        paused, cut off) lost its shards to a failover, never to a planned move."""
         dropped: list[Shard] = []
         with self._lock:
             self.live_workers = workers
             self.completed_epochs = max(self.completed_epochs, completed_epochs)
             known = set(self.assigned) | set(self.roles)    # a backup promoted with no copy is a loss: not here
-            targets = self._apply_routes(routes, dropped) if routes is not None else []
+            targets = self._apply_routes(routes, dropped, in_view) if routes is not None else []
             restore = sorted(k for k in self.assigned - known if k not in self.shards) \
                 if self.restore_path and self.restorer is not None else []
             self._restoring.update(restore)
@@ -256,7 +258,8 @@ class ShardHost:
             for s in shards:
                 s.set_live_workers(workers)
 
-    def _apply_routes(self, routes: list[pb.ShardRoute], dropped: list[Shard]) -> list[tuple[Replicator, str, str]]:
+    def _apply_routes(self, routes: list[pb.ShardRoute], dropped: list[Shard],
+                      in_view: bool = True) -> list[tuple[Replicator, str, str]]:
         """Roles from the view (lock held); returns the replicators to aim, outside the lock, and adds the
         copies it drops to ``dropped`` (to be fenced outside the lock). Its routine lines, one a shard (a
         planned promotion, a copy dropped on purpose), are logged together, folded when there are many."""
@@ -289,9 +292,10 @@ class ShardHost:
             elif k in self.shards or k in self.roles:
                 r = self.replicators.get(k)
                 # a backup copy the chief aimed elsewhere, or a primary handed to the backup it kept in
-                # step (the chief's rebalancing, chief/placement.py): routine
-                planned = self.roles.get(k) == BACKUP or (
-                    r is not None and r.state == "in_sync" and r.backup == route.primary_id)
+                # step (the chief's rebalancing, chief/placement.py): routine; not so for a server the
+                # chief dropped from the view (expired): its backup took over in a failover
+                planned = in_view and (self.roles.get(k) == BACKUP or (
+                    r is not None and r.state == "in_sync" and r.backup == route.primary_id))
                 dropped += self._drop_copy(k, f"the view names {route.primary_id} primary", routine, planned=planned)
         log_burst(log, routine)
         return targets

@@ -15,6 +15,7 @@ from shoal.ps.servicer import DataServicer, StatusServicer
 from shoal.ps.tcp_server import DataChannelServer
 from shoal import convert
 from shoal.chief_client import ChiefClient
+from shoal.errors import EXIT_REFUSED, EXIT_UNREACHABLE
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import create_server, set_serving
@@ -50,11 +51,14 @@ class PSServer:
         self.address = f"{advertise}:{self.port}"
         # Without the chief for ``chief_timeout_s`` (None: wait for ever), the server gives up: ``gave_up``
         # is set with the reason and the process exits EXIT_UNREACHABLE.
+        # A chief of another job (the journal of this one was lost): ``gave_up`` too, exit EXIT_REFUSED.
         self.gave_up = threading.Event()
         self.gave_up_reason = ""
+        self.gave_up_code = EXIT_UNREACHABLE
         self.chief = ChiefClient(chief, pb.PS, host=socket.gethostname(), address_advertised=self.address,
                                  join_deadline_s=chief_timeout_s, lost_after_s=chief_timeout_s,
-                                 on_lost=self._lost_chief, heartbeat_extra=self._fill_heartbeat)
+                                 on_lost=self._lost_chief, heartbeat_extra=self._fill_heartbeat,
+                                 on_refused=self._refused_chief)
         self.host.on_backup_complete = self.chief.heartbeat_now     # the chief learns it within a round trip
 
     def start(self) -> "PSServer":
@@ -117,6 +121,10 @@ class PSServer:
         self.gave_up_reason = why
         self.gave_up.set()
 
+    def _refused_chief(self, why: str) -> None:
+        self.gave_up_code = EXIT_REFUSED
+        self._lost_chief(why)
+
     def _on_view(self, view: pb.ClusterView) -> None:
         # A server the chief forgot (its lease lapsed, or a Leave named it) joins again under a new id, and
         # the join's view is the first to name it: the host answers to that id (and signs replication with
@@ -124,7 +132,9 @@ class PSServer:
         # copies the view makes it primary of, and the job would wait on a shard nobody holds.
         self.host.rename(self.chief.member_id, self.chief.credential)
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
-        self.host.set_view(workers, view.completed_epochs, list(view.shards))
+        servers = {m.member_id for m in view.members if m.role == pb.PS}     # a view lists the living only
+        self.host.set_view(workers, view.completed_epochs, list(view.shards),
+                           in_view=self.chief.member_id in servers)
 
     def _worker_dropped(self, member_id: str) -> None:
         """A worker's data connection closed under it: tell the chief, which ends the worker at once if

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, ShardPlan, TensorSpec
@@ -292,14 +292,18 @@ def export_to_file(ckpt_path_or_root: str | Path, out_path: str | Path) -> Path:
     return export_checkpoint(ckpt_path_or_root, out_path)[0]
 
 
-def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path) -> tuple[Path, "Checkpoint"]:
-    """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path)."""
+def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path,
+                      check: "Callable[[Checkpoint], None] | None" = None) -> tuple[Path, "Checkpoint"]:
+    """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path). ``check``
+    sees the checkpoint before anything is written and may refuse it (raise)."""
     import torch
 
     src = Path(ckpt_path_or_root)
     ckpt = open_checkpoint(src) if (src / MANIFEST).is_file() else load_latest(src)
     if ckpt is None:
         raise NotFound(f"no valid checkpoint under {src}")
+    if check is not None:
+        check(ckpt)
     out = Path(out_path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     torch.save(export_state_dict(ckpt), tmp)

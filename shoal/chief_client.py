@@ -7,6 +7,8 @@ outage only shows up as retry lines in the log.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -14,7 +16,7 @@ from typing import Callable
 import grpc
 
 from shoal import convert
-from shoal.errors import Unreachable
+from shoal.errors import EXIT_REFUSED, Unreachable
 from shoal.keepalive import HeartbeatStream
 from shoal.members import Counters
 from shoal.proto import shoal_pb2 as pb
@@ -22,6 +24,14 @@ from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import RETRYABLE, open_channel, with_retries
 
 log = logging.getLogger(__name__)
+
+
+def exit_refused(why: str) -> None:
+    """A member refused the chief now serving (another job's): one line, and the process exits
+    ``EXIT_REFUSED`` at once, from whichever thread noticed (a worker's training loop is the user's)."""
+    print(f"shoal: error: {why}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(EXIT_REFUSED)
 
 # How long one view watch waits for a change before the chief answers "unchanged" and the member asks
 # again. Each re-ask is a call: with a thousand members, 5 s meant 200 calls a second for nothing.
@@ -34,7 +44,7 @@ class ChiefClient:
                  heartbeat_extra: Callable[[pb.HeartbeatRequest], None] | None = None,
                  join_deadline_s: float | None = 120.0, lost_after_s: float | None = None,
                  on_lost: Callable[[str], None] | None = None, view_scope: int = pb.FULL,
-                 keepalive: bool = True):
+                 keepalive: bool = True, on_refused: Callable[[str], None] | None = None):
         self.chief_address = address
         self.view_scope = view_scope     # what this member watches: pb.ROUTING for a worker (chief/views.py)
         self.role = role
@@ -47,6 +57,11 @@ class ChiefClient:
         self.credential = ""             # from the chief at join: who this member is (shoal.auth)
         self._lost_after_s = lost_after_s        # heartbeats failing this long: on_lost(why), and they stop
         self._on_lost = on_lost
+        # the chief now serving is not of this member's job (its journal was lost): on_refused(why) once, and
+        # the heartbeats and the watch stop; without a callback the process exits EXIT_REFUSED (a worker)
+        self._on_refused = on_refused or exit_refused
+        self.refused = ""
+        self.job_id = ""                 # the job this member belongs to, from its first join (chief/identity.py)
         self._join_lock = threading.Lock()       # a re-join from the heartbeat thread never follows a leave
         self._left = False
         self.channel = open_channel(address, lambda: self.credential)
@@ -68,7 +83,8 @@ class ChiefClient:
 
     def join(self) -> pb.JoinReply:
         req = pb.JoinRequest(role=self.role, address=self.advertised, host=self.host, member_id=self.member_id,
-                             view_scope=self.view_scope)
+                             view_scope=self.view_scope, job_id=self.job_id,
+                             generation=self._view.generation if self._view is not None else 0)
         if self.layout is not None:
             req.layout.CopyFrom(self.layout)
         t0 = time.monotonic()
@@ -83,6 +99,8 @@ class ChiefClient:
         renamed = self.member_id not in ("", reply.member_id)
         self.member_id, self.shard, self.lease_seconds = reply.member_id, reply.shard, reply.lease_seconds
         self.credential = reply.credential
+        if not self.job_id:
+            self.job_id = reply.view.job_id
         if renamed and self._watch_call is not None:
             self._watch_call.cancel()        # the open watch is under the old id: the next one under the new
         self._set_view(reply.view)
@@ -134,8 +152,14 @@ class ChiefClient:
         return self._view
 
     def _set_view(self, view: pb.ClusterView) -> None:
+        if self.job_id and view.job_id and view.job_id != self.job_id:
+            self._refuse(f"the chief at {self.chief_address} runs job {view.job_id} (generation {view.generation}), "
+                         f"not this member's job {self.job_id}: the journal of job {self.job_id} is missing; "
+                         f"restore it and restart the chief, or start job {self.job_id} over")
+            return
         with self._view_cond:
-            if self._view is not None and view.epoch <= self._view.epoch:
+            # a newer generation of the job (a chief recovered from its journal) wins even with a lower epoch
+            if self._view is not None and (view.generation, view.epoch) <= (self._view.generation, self._view.epoch):
                 return
             self._view = view
             self._view_cond.notify_all()
@@ -144,6 +168,17 @@ class ChiefClient:
                 listener(view)
             except Exception:  # noqa: BLE001 - a bad listener must not kill the watch
                 log.exception("view listener failed")
+
+    def _refuse(self, why: str) -> None:
+        """This member will not follow the chief now serving: once, ``on_refused(why)``; background loops stop."""
+        with self._view_cond:
+            if self.refused:
+                return
+            self.refused = why
+            self._stop.set()
+            self._view_cond.notify_all()
+        log.error("%s", why)
+        self._on_refused(why)
 
     def wait_view(self, predicate: Callable[[pb.ClusterView], bool], timeout_s: float) -> pb.ClusterView:
         with self._view_cond:
@@ -184,7 +219,13 @@ class ChiefClient:
                         if self._left:          # the chief forgot us because we left: that is final
                             return
                         log.warning("chief no longer knows %s (lease expired); joining again", self.member_id)
-                        self.join()
+                        try:
+                            self.join()
+                        except grpc.RpcError as exc:
+                            if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+                                raise
+                            self._refuse(f"the chief at {self.chief_address} refused {self.member_id}: {exc.details()}")
+                            return
             except ValueError:          # the channel was closed under the call: close() is under way
                 if self._stop.is_set():
                     return
@@ -214,7 +255,7 @@ class ChiefClient:
         backoff before the next stream."""
         try:
             call = self.stub.Watch(pb.ViewRequest(after_epoch=after, member_id=self.member_id,
-                                                  scope=self.view_scope))
+                                                  scope=self.view_scope, generation=self._generation()))
             self._watch_call = call
             if self._stop.is_set():
                 call.cancel()
@@ -237,6 +278,9 @@ class ChiefClient:
         self._stop.wait(backoff)
         return min(2.0, backoff * 2)
 
+    def _generation(self) -> int:
+        return self._view.generation if self._view is not None else 0
+
     def _heartbeat_request(self) -> pb.HeartbeatRequest:
         req = pb.HeartbeatRequest(member_id=self.member_id, counters=convert.counters_to_pb(self._counters()))
         if self._heartbeat_extra is not None:
@@ -258,7 +302,8 @@ class ChiefClient:
                 # the chief holds the call up to WATCH_S when nothing changes; a lease more and it is not
                 # answering (a peer that vanished is noticed sooner, by the channel's keepalive pings)
                 view = self.stub.GetView(pb.ViewRequest(after_epoch=after, timeout_seconds=WATCH_S,
-                                                        member_id=self.member_id, scope=self.view_scope),
+                                                        member_id=self.member_id, scope=self.view_scope,
+                                                        generation=self._generation()),
                                          timeout=WATCH_S + self.call_timeout_s())
                 if not view.unchanged:          # the watch timed out with nothing new
                     self._set_view(view)

@@ -63,21 +63,72 @@ NOT_PRIMARY = "not the primary"
 # (SIGTERM) or the shard moved to its backup. The worker follows the view without a warning.
 HANDED_OVER = "handed over to its backup"
 
-# Exit status of a chief whose job stopped because a shard lost every copy under
-# --recovery consistent: its supervisor restarts the job from the newest checkpoint.
-EXIT_ROLLBACK = 75
+# ---------------------------------------------------------------- exit statuses
+# One exit status per outcome, the same for every role (``shoal chief``, ``ps``, ``worker``) and for
+# ``shoal local``; ``OUTCOMES`` gives the word the run summary and the last line carry for each.
+# docs/exit-codes.md is the table for users: what a supervisor, a TFJob or compose does with each.
+# The numbers follow sysexits(3) where one fits.
 
-# Exit status of a role the job refused for good (a model that differs from the job's,
-# credentials the job does not accept, a journal or checkpoint it cannot read): restarting
-# it would fail the same way, so a supervisor never does. (sysexits' EX_CONFIG.)
-EXIT_REFUSED = 78
+# Finished: every task done, nothing lost, every checkpoint written.
+EXIT_OK = 0
+
+# Crashed: a traceback, a journal the chief cannot write (maybe a full disk), a worker's script that
+# failed. Worth a restart (the chief carries on from its journal).
+EXIT_FAILED = 1
+
+# Exit status of a bad command line or settings file (argparse's own): "bad settings".
+EXIT_USAGE = 2
+
+# ``shoal local`` only: the run stopped because a role failed the same way twice in a row (a crash
+# loop) or a role it cannot do without (the chief) gave up; the summary's "error" says which.
+EXIT_STOPPED = 3
+
+# Finished, but a shard lost every copy under ``--recovery fast`` and the job went on from the
+# shard's initial weights or a checkpoint: batches were lost. (sysexits' EX_DATAERR.)
+EXIT_DATA_LOST = 65
 
 # Exit status of a role that gave up waiting on a peer (the chief, a server) after its
 # deadline, having said what it waited for and how long. (sysexits' EX_UNAVAILABLE.)
 EXIT_UNREACHABLE = 69
 
-# Exit status of a bad command line or settings file (argparse's own).
-EXIT_USAGE = 2
+# Finished (or stopped) with checkpoints that could not be written, where the user did not opt out
+# (``--allow-checkpoint-failures``): the newest checkpoint is older than the job. (EX_CANTCREAT.)
+EXIT_CHECKPOINT_FAILED = 73
+
+# Exit status of a chief whose job stopped because a shard lost every copy under
+# --recovery consistent: its supervisor restarts the job from the newest checkpoint.
+# ``shoal local`` exits with it when there is no checkpoint to roll back to: "stopped: data lost".
+EXIT_ROLLBACK = 75
+
+# Exit status of a role the job refused for good (a model that differs from the job's,
+# credentials the job does not accept, a journal or checkpoint it cannot read, a chief of another
+# job: the journal of this one was lost): restarting it would fail the same way, so a supervisor
+# never does. (sysexits' EX_CONFIG.)
+EXIT_REFUSED = 78
+
+# Stopped by SIGINT or SIGTERM (``shoal local``; 128 + SIGINT, the shell's convention).
+EXIT_INTERRUPTED = 130
+
+OUTCOMES = {
+    EXIT_OK: "finished",
+    EXIT_FAILED: "failed",
+    EXIT_USAGE: "bad settings",
+    EXIT_STOPPED: "stopped",
+    EXIT_DATA_LOST: "finished with data lost",
+    EXIT_UNREACHABLE: "unreachable",
+    EXIT_CHECKPOINT_FAILED: "checkpoints failed",
+    EXIT_ROLLBACK: "stopped: data lost",
+    EXIT_REFUSED: "refused",
+    EXIT_INTERRUPTED: "interrupted",
+}
+
+
+def outcome(code: int) -> str:
+    """The word for an exit status (``OUTCOMES``); a signal (negative, as subprocess reports it) or an
+    unknown status is named by its number."""
+    if code < 0:
+        return f"killed by signal {-code}"
+    return OUTCOMES.get(code, f"exit {code}")
 
 
 class Unreachable(ShoalError):

@@ -33,3 +33,5 @@ class View:
     completed_epochs: int = 0
     stragglers: frozenset[str] = frozenset()
     step_seconds: Mapping[str, float] = field(default_factory=dict)
+    job_id: str = ""            # the job that publishes it and its chief's generation (chief/identity.py)
+    generation: int = 0

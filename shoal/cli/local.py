@@ -27,7 +27,8 @@ from shoal.alerts import AlertConfig
 from shoal import auth, tls
 from shoal.cli.certs import make_local_pki
 from shoal.config import JobConfig
-from shoal.errors import EXIT_ROLLBACK, InvalidArgument
+from shoal.cli.outcome import mark, run_code, stopped_code
+from shoal.errors import EXIT_INTERRUPTED, EXIT_ROLLBACK, EXIT_STOPPED, InvalidArgument, outcome
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import RETRYABLE, open_channel
@@ -85,6 +86,7 @@ class LocalConfig:
     secure: bool = False               # a job token in the run dir (unless one is given) for every role
     config: str = ""                   # the job file, passed to the chief (its autoscaling policy)
     autoscale: bool = False            # start and stop workers to follow the chief's desired count
+    allow_checkpoint_failures: bool = False   # failed checkpoints do not make the run exit 73 (shoal.errors)
     # Where each role runs (hidden --hosts, for tests and bench/nemesis.py --netns): role name ->
     # (argv prefix, e.g. ``ip netns exec NS``, and the address it binds); a role not named runs here on loopback
     hosts: tuple[tuple[str, tuple[str, ...], str], ...] = ()
@@ -106,7 +108,11 @@ class LocalConfig:
 
 
 class JobStopped(RuntimeError):
-    """The job cannot go on (and cannot roll back)."""
+    """The job cannot go on (and cannot roll back). ``exit_code``: ``shoal local``'s (shoal/cli/outcome.py)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_STOPPED):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Child:
@@ -253,7 +259,7 @@ class LocalCluster:
         """``<run-dir>/chief.db``: a restarted chief (same arguments) carries on from it. A journal left
         by an earlier run in the same run dir belongs to another job, so it is removed first."""
         path = self.run_dir / "chief.db"
-        for suffix in ("", "-wal", "-shm"):
+        for suffix in ("", "-wal", "-shm", ".job"):       # .job: the job's marker (chief/identity.py)
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         return path
 
@@ -303,7 +309,7 @@ class LocalCluster:
         again, so the job resumes from the newest checkpoint; without checkpoints, give up."""
         if not self.cfg.checkpoint_dir:
             raise JobStopped("a shard lost every copy and --recovery consistent stops the job; there is no "
-                             "--checkpoint-dir to roll back to (see the chief's log line above)")
+                             "--checkpoint-dir to roll back to (see the chief's log line above)", EXIT_ROLLBACK)
         log.warning("the chief stopped the job; rolling back: restarting every role from the newest checkpoint")
         for c in self.children.values():
             c.terminate()
@@ -329,7 +335,7 @@ class LocalCluster:
         child._pump.join(timeout=1)           # its last line, for the message
         last = f": {child.last_line}" if child.last_line else ""
         if d.fatal or name == "chief":
-            raise JobStopped(f"{name} exited with {code} and is not restarted ({d.why}){last}")
+            raise JobStopped(f"{name} exited with {code} and is not restarted ({d.why}){last}", stopped_code(code))
         if name.startswith("worker"):
             exits[name] = code
         else:
@@ -406,17 +412,21 @@ class LocalCluster:
     def final_checkpoint(self, target: int, wait_s: float = 60.0) -> int:
         """Waits (at most ``wait_s``) for the chief to commit the checkpoint of the final state, at
         shard version ``target``; returns the step of the newest checkpoint it knows (-1: unreadable)."""
-        deadline = time.monotonic() + wait_s
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
         step = -1
         while True:
             stats = self.job_stats()
+            failing = False
             if stats is not None:
                 step = max(stats.checkpoint_step, stats.restored_step)
                 if step >= target:
                     return step
-            if time.monotonic() >= deadline:
+                # the final attempt itself fails (a full disk): a few retries (2 s apart), not the whole wait
+                failing = stats.checkpoint_failed_step >= target > 0 and time.monotonic() - t0 >= min(wait_s, 10.0)
+            if time.monotonic() >= deadline or failing:
                 log.warning("the final checkpoint (step %d) was not written within %.0fs; the newest is step %d "
-                            "(see the chief's log for why)", target, wait_s, step)
+                            "(see the chief's log for why)", target, time.monotonic() - t0, step)
                 return step
             time.sleep(0.2)
 
@@ -460,16 +470,16 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         console.close()
         log.info("interrupted: stopping the cluster")
         cluster.stop()
-        return 130
+        return EXIT_INTERRUPTED
     except JobStopped as exc:
         console.close()
-        log.error("job stopped: %s", exc)
+        log.error("job stopped: %s (exit %d: %s)", exc, exc.exit_code, outcome(exc.exit_code))
         cluster.stop()
         if cfg.summary:
-            write_json(Path(cfg.summary), {**build_summary(cfg, {}, time.monotonic() - started, None),
-                                            "error": str(exc), "restarts": dict(cluster.restarts),
-                                            "rollbacks": cluster.rollbacks})
-        return 3
+            write_json(Path(cfg.summary), mark({**build_summary(cfg, {}, time.monotonic() - started, None),
+                                                 "error": str(exc), "restarts": dict(cluster.restarts),
+                                                 "rollbacks": cluster.rollbacks}, exc.exit_code))
+        return exc.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
     console.close()
@@ -480,12 +490,16 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     add_records(summary, shards, replicas, final_step, cfg.checkpoint_dir)
     summary["restarts"] = dict(cluster.restarts)
     summary["rollbacks"] = cluster.rollbacks
+    broken = violation(summary)
+    code = run_code(summary, ok, broken, cfg.allow_checkpoint_failures)
+    mark(summary, code)
     if cfg.summary:
         write_json(Path(cfg.summary), summary)
     if summary.get("checkpoints_failed"):
-        log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s",
-                  summary["checkpoints_failed"], summary["checkpoint_failed_step"], summary["checkpoint_error"],
-                  summary.get("checkpoint_step", "none"))
+        log.error("%d checkpoint attempt(s) FAILED, the newest at step %d (%s); the newest checkpoint is step %s; "
+                  "missing steps: %s", summary["checkpoints_failed"], summary["checkpoint_failed_step"],
+                  summary["checkpoint_error"], summary.get("checkpoint_step", "none"),
+                  ", ".join(map(str, summary.get("checkpoint_missing_steps", []))) or "none")
     if summary.get("lost_shards") and summary.get("exactly_once") is True:   # after the final checkpoint
         log.warning("shard(s) %s lost every live copy once the final checkpoint held all their updates: their "
                     "records were read from it", summary["lost_shards"])
@@ -493,9 +507,10 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
         log.error("shard(s) %s lost acknowledged updates during the run (--recovery %s): exactly_once is %s",
                   summary["lost_shards"], summary.get("recovery", "?"),
                   "unknown" if summary.get("exactly_once", False) is None else "false")
-    broken = violation(summary)
     if broken:
         log.error("%s", broken)
     out.write("\n".join(result_lines(summary, ok and not broken, cfg.summary, console.log_path)) + "\n")
+    if code:
+        out.write(f"exit {code}: {outcome(code)} (docs/exit-codes.md)\n")
     out.flush()
-    return 0 if ok and not broken else 1
+    return code

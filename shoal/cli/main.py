@@ -157,6 +157,9 @@ def cmd_chief(args: argparse.Namespace) -> int:
         server.stopped.set()
     threading.Thread(target=lambda: (server.failed.wait(), done.set()), daemon=True).start()
     _serve_until_signalled(server, done)
+    if server.servicer.lost_journal:        # members of the job whose journal this was reached it
+        print(f"shoal chief: error: {server.servicer.lost_journal}", file=sys.stderr)
+        return EXIT_REFUSED
     if server.servicer.failed is not None:
         print(f"shoal chief: error: {server.servicer.failed}", file=sys.stderr)
         return 1
@@ -187,7 +190,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     _serve_until_signalled(server, server.gave_up)
     if server.gave_up_reason:
         print(f"shoal ps: error: {server.gave_up_reason}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return server.gave_up_code
     return 0
 
 
@@ -256,6 +259,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                       num_workers=args.workers, job=job, compression=args.compression or "none",
                       pull_codec=args.pull_codec or "none", transport=args.transport or "tcp", summary=args.summary or "", run_dir=args.run_dir or "",
                       restart=not args.no_restart, restart_backoff_s=args.restart_backoff,
+                      allow_checkpoint_failures=args.allow_checkpoint_failures,
                       drain_s=args.drain_seconds,
                       checkpoint_dir=ckpt.directory if ckpt else "", checkpoint_interval=args.checkpoint_interval or "",
                       keep_checkpoints=args.keep_checkpoints, config=args.config or "", autoscale=args.autoscale,
@@ -293,8 +297,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shoal.checkpoint import export_checkpoint
     from shoal.checkpoint_store import read_failure
 
+    from shoal.cli.export_check import check_fresh, job_record
+
+    def check(ckpt) -> None:
+        if args.allow_stale:
+            return
+        found = job_record(Path(ckpt.path).parent, args.journal,
+                           lambda line: print(f"warning: {line}", file=sys.stderr))
+        if found is not None:
+            check_fresh(ckpt.step, Path(ckpt.path), *found)
+
     try:
-        out, ckpt = export_checkpoint(args.checkpoint, args.out)
+        out, ckpt = export_checkpoint(args.checkpoint, args.out, check)
     except OSError as exc:
         raise ShoalError(f"cannot export {args.checkpoint} to {args.out}: {exc}") from exc
     print(f"wrote {out}: step {ckpt.step} from {ckpt.path}")
@@ -354,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
     p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
     p.add_argument("out", help="output file, e.g. model.pt")
+    p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
+                   help="the job's chief journal, which records failed checkpoints (default: the one the chief "
+                        "named in <checkpoint dir>/job.json)")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="export a checkpoint older than the job's last applied update (exit 73 without it)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("status", help="print the job at a glance")
@@ -402,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run-dir", help="folder for pids.json and port files (default: a temp dir)")
             p.add_argument("--config", help=_CONFIG_HELP)
             p.add_argument("--no-restart", action="store_true", help="do not restart crashed roles")
+            p.add_argument("--allow-checkpoint-failures", action="store_true",
+                           help="a run whose checkpoints failed exits 0, not 73 (docs/exit-codes.md)")
             p.add_argument("--autoscale", action="store_true",
                            help="start and stop workers to follow the chief's desired count (the job file's "
                                 "autoscaling section); --workers is the count to start with")

@@ -246,7 +246,7 @@ def build_summary(cfg: "LocalConfig", codes: dict[str, int], seconds: float, sta
                        tasks_done=stats.tasks_done, tasks_total=stats.tasks_total,
                        workers_seen=stats.workers_seen, epochs=stats.epochs,
                        batches_per_epoch=stats.batches_per_epoch, lost_shards=list(stats.lost_shards),
-                       recovery=stats.job.recovery)
+                       recovery=stats.job.recovery, job_id=stats.job_id, chief_generation=stats.generation)
         summary.update({k: v for k, v in sorted(stats.metrics.items())})
         if "test_accuracy" in stats.metric_sources:     # which worker evaluated the job's final weights
             summary["test_accuracy_from"] = stats.metric_sources["test_accuracy"]
@@ -257,5 +257,7 @@ def build_summary(cfg: "LocalConfig", codes: dict[str, int], seconds: float, sta
         if stats.checkpoints_failed:
             summary.update(checkpoints_failed=stats.checkpoints_failed,
                            checkpoint_failed_step=stats.checkpoint_failed_step,
-                           checkpoint_error=stats.checkpoint_error)
+                           checkpoint_error=stats.checkpoint_error,
+                           # failed steps no later checkpoint covers (the chief's journal): exit 73
+                           checkpoint_missing_steps=list(stats.checkpoint_missing_steps))
     return summary

@@ -35,14 +35,15 @@ def start_local(tmp_path: Path, *args: str, script_args: tuple[str, ...] = ()) -
                             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, preexec_fn=_default_sigint)
 
 
-def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 240) -> dict:
+def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 240, expect: int = 0) -> dict:
+    """Waits for ``shoal local`` to end with exit status ``expect`` (docs/exit-codes.md); its summary."""
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError("shoal local did not finish:\n" + (tmp_path / "local.log").read_text()[-4000:])
     log = (tmp_path / "local.log").read_text()
-    assert rc == 0, log[-4000:]
+    assert rc == expect, log[-4000:]
     return json.loads((tmp_path / "summary.json").read_text())
 
 

@@ -48,7 +48,7 @@ def test_consistent_recovery_without_a_checkpoint_stops_the_job_with_a_clear_err
     kill_every_ps(tmp_path)
     rc = proc.wait(120)
     log = (tmp_path / "local.log").read_text()
-    assert rc == 3, log[-3000:]
+    assert rc == 75, log[-3000:]                        # stopped: data lost (docs/exit-codes.md)
     assert "no --checkpoint-dir to roll back to" in log and "lost every copy" in log
 
 
@@ -57,8 +57,9 @@ def test_fast_recovery_goes_on_from_a_workers_weights_and_says_what_was_lost(tmp
                        "--restart-backoff", "0.3", "--recovery", "fast", script_args=("--epochs", "12"))
     under_way(tmp_path, 60)
     kill_every_ps(tmp_path)
-    summary = finish(proc, tmp_path)
+    summary = finish(proc, tmp_path, expect=65)         # finished with data lost: never a clean exit 0
     log = (tmp_path / "local.log").read_text()
+    assert summary["outcome"] == "finished with data lost"
     assert "--recovery fast" in log
     assert summary["recovery"] == "fast" and sorted(summary["lost_shards"]) == [0, 1]
     assert summary["exactly_once"] is False          # the batches the lost copies held are gone, and it says so
