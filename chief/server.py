@@ -20,6 +20,7 @@ from shoal.members import Role
 log = logging.getLogger(__name__)
 
 SILENT_SERVERS_HOLD_LEASES = 3    # how long the chief waits (in leases) when it hears from no server at all
+DRAIN_S = 30.0      # after the job's end, how long at most the chief and its servers stay up (chief/lifecycle.py)
 
 
 class ChiefServer:
@@ -29,7 +30,8 @@ class ChiefServer:
 
     def __init__(self, job: JobConfig, bind: str = "127.0.0.1:0", tick_s: float = 0.2,
                  journal: "str | os.PathLike | Journal | None" = None, fresh: bool = False,
-                 checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None):
+                 checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None,
+                 drain_s: float = DRAIN_S):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
         if saved is not None and saved.get("stopped") and checkpoint is not None:
@@ -41,6 +43,8 @@ class ChiefServer:
         self.recovered = saved is not None
         self.state = self._recover(saved, job) if saved is not None else ChiefState(job, time.monotonic)
         self.job = self.state.job
+        lc = self.state.lifecycle      # the drain ends early once no worker was live for a lease
+        lc.drain_s, lc.quiet_s, lc.close_grace_s = drain_s, self.job.lease_seconds, 2 * self.job.lease_seconds + 5
         self.servicer = ChiefServicer(self.state, self.journal)
         if autoscale is not None:
             self.servicer.autoscaler = Autoscaler(autoscale)
@@ -48,8 +52,10 @@ class ChiefServer:
         if checkpoint is not None:
             resume(self.state, checkpoint, recovered=self.recovered)
             self.checkpointer = Checkpointer(self.state, self.servicer.lock, checkpoint)
+            self.servicer.final_checkpoint = self.checkpointer.final
         self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
         self.stopped = threading.Event()    # set when the job stopped (--recovery consistent lost a shard)
+        self.closed = threading.Event()     # set when the job ended, drained and its servers left: exit now
         self._closed = False
         self.telemetry: ChiefWatch | None = None
         self.metrics_endpoint = None
@@ -129,6 +135,9 @@ class ChiefServer:
             self.state.members.backlog_s = self.server.lag_s    # its own queue counts against no member
             try:
                 self.servicer.tick()
+                with self.servicer.lock:
+                    if self.state.lifecycle.chief_may_exit(len(self.state.members.alive(Role.PS))):
+                        self.closed.set()
             except JournalError:
                 pass                # logged by the servicer; the next round stops
             except Exception:  # noqa: BLE001 - keep expiring leases whatever happens
@@ -151,6 +160,12 @@ class ChiefServer:
             if self.servicer.failed is None:
                 self.servicer.flush()
             self.journal.close()
+
+    @property
+    def exit_code(self) -> int | None:
+        """What the process exits with once the job ended (None while it runs)."""
+        ending = self.state.lifecycle.ending
+        return ending.exit_code if ending is not None else None
 
     def wait(self) -> None:
         self.server.wait()

@@ -14,10 +14,11 @@ import logging
 import math
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief.journal import Journal, JournalError
+from shoal.chief.lifecycle import FinalCheckpoint
 from shoal.chief.state import ChiefState
 from shoal.chief.views import ViewBoard, check_scope
 from shoal import auth, convert, tokens
@@ -45,6 +46,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         self.guard = auth.Guard(self._credential_key)
         self.autoscaler: Autoscaler | None = None      # the desired worker count, published in GetJobStats
         self.views = ViewBoard(state)        # the open watches and what they are answered with
+        # what the checkpointer says of the final checkpoint (None: the job takes no checkpoints)
+        self.final_checkpoint: Callable[[], FinalCheckpoint | None] = lambda: None
 
     def _credential_key(self) -> bytes:
         return tokens.public_key(self.state.secret)
@@ -96,6 +99,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         with self._locked():
             before = self.state.epoch
             gone = self.state.tick()
+            for line in self.state.step_lifecycle(self.final_checkpoint()):
+                (log.info if self.state.lifecycle.ending.ok else log.error)(line)
             if self.autoscaler is not None:
                 s = self.state
                 desired = self.autoscaler.desired
@@ -105,7 +110,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                     log.info("autoscaling: %d worker(s) wanted (was %d; %d task(s) not done)",
                              self.autoscaler.desired, desired, s.tasks.total - s.tasks.done_count)
             if self.state.epoch != before:
-                self._save("expired " + ", ".join(m.member_id for m in gone))
+                self._save("expired " + ", ".join(m.member_id for m in gone) if gone else "tick")
                 self._wake_watchers()
             elif self.views.stale():        # a change made outside the servicer (the checkpointer)
                 self._wake_watchers()
@@ -290,4 +295,13 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                epochs=s.tasks.spec.epochs if s.tasks.spec else 0,
                                batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
                                lost_shards=s.lost, stopped=s.stopped, metric_sources=dict(s.metric_sources),
-                               **(s.checkpoints.stats() if s.checkpoints is not None else {}))
+                               **(s.checkpoints.stats() if s.checkpoints is not None else {}),
+                               **self._ending_stats())
+
+    def _ending_stats(self) -> dict:
+        lc = self.state.lifecycle
+        out = {"job_phase": lc.phase.value, "job_drain_left_seconds": lc.drain_left_s()}
+        if lc.ending is not None:
+            out.update(job_result=lc.ending.result, job_exit_code=lc.ending.exit_code,
+                       job_ended_seconds_ago=lc.ended_seconds_ago())
+        return out

@@ -13,10 +13,11 @@ from typing import Callable, Mapping
 
 from shoal import tokens
 from shoal.chief import placement
+from shoal.chief.lifecycle import Ending, FinalCheckpoint, JobLifecycle, Observed, Phase
 from shoal.chief.membership import Membership
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
-from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
+from shoal.errors import JOB_FINISHED, FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, TensorSpec
 from shoal.loglines import log_burst
 from shoal.members import Counters, Member, MemberState, Role
@@ -60,6 +61,7 @@ class ChiefState:
         self.metrics: dict[str, float] = {}
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
+        self.lifecycle = JobLifecycle(clock)   # the job's end (chief/lifecycle.py); its ending is journaled
 
     def _changed(self, why: str) -> None:
         self.epoch += 1
@@ -70,6 +72,8 @@ class ChiefState:
     def join_worker(self, layout: ModelLayout, host: str = "", member_id: str = "") -> Member:
         if self.stopped:
             raise FailedPrecondition(f"the job is stopped: {self.stopped}")
+        if self.lifecycle.finished:
+            raise FailedPrecondition(f"{JOB_FINISHED} ({self.lifecycle.ending.result}): nothing left to train")
         if self.layout is None:
             if self.checkpoints is not None:
                 self.checkpoints.check_layout(layout)   # resuming: the model must match the checkpoint
@@ -316,6 +320,17 @@ class ChiefState:
         self.metrics.update({k: float(v) for k, v in values.items()})
         self.metric_sources.update({k: member_id for k in values})
 
+    def step_lifecycle(self, checkpoint: FinalCheckpoint | None) -> list[str]:
+        """Moves the job towards its end (chief/lifecycle.py); the lines to log. A new phase bumps the epoch:
+        the servers learn it from the view."""
+        before = self.lifecycle.phase
+        lines = self.lifecycle.step(Observed(self.tasks.done_count, self.tasks.total, self.tasks.finished,
+                                             self.stopped, checkpoint, len(self.members.alive(Role.WORKER)),
+                                             len(self.members.alive(Role.PS))))
+        if self.lifecycle.phase is not before:
+            self._changed(f"job {self.lifecycle.phase.value}")
+        return lines
+
     # ------------------------------------------------------------ reads
 
     def view(self) -> View:
@@ -338,7 +353,14 @@ class ChiefState:
         routes = tuple(routes)
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
-                    *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()))
+                    *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()),
+                    **self._ending_fields())
+
+    def _ending_fields(self) -> dict:
+        lc = self.lifecycle
+        if lc.phase is Phase.RUNNING:
+            return {}
+        return {"job_phase": lc.phase.value, "job_result": lc.ending.result, "job_exit_code": lc.ending.exit_code}
 
     def totals(self) -> Counters:
         out = Counters()
@@ -377,6 +399,7 @@ class ChiefState:
             "stopped": self.stopped,
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
+            "ending": self.lifecycle.ending.to_dict() if self.lifecycle.ending is not None else None,
         }
 
     def journal_snapshot(self) -> dict:
@@ -422,6 +445,8 @@ class ChiefState:
         s.stopped = str(d.get("stopped", ""))
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}
+        if d.get("ending"):
+            s.lifecycle = JobLifecycle(clock, ending=Ending.from_dict(d["ending"]))
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])
         if recover:

@@ -128,7 +128,7 @@ class ShardRoute(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ..., backup_complete: _Optional[bool] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged")
+    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged", "job_phase", "job_result", "job_exit_code")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,9 @@ class ClusterView(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_RANK_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    JOB_PHASE_FIELD_NUMBER: _ClassVar[int]
+    JOB_RESULT_FIELD_NUMBER: _ClassVar[int]
+    JOB_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardRoute]
@@ -151,7 +154,10 @@ class ClusterView(_message.Message):
     num_workers: int
     worker_rank: int
     unchanged: bool
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+    job_phase: str
+    job_result: str
+    job_exit_code: int
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ..., job_phase: _Optional[str] = ..., job_result: _Optional[str] = ..., job_exit_code: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "lease_seconds", "view", "shard", "restore_checkpoint", "credential", "verify_key")
@@ -315,7 +321,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources", "job_phase", "job_result", "job_exit_code", "job_ended_seconds_ago", "job_drain_left_seconds", "autoscale_decisions")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +357,12 @@ class JobStats(_message.Message):
     CHECKPOINT_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     METRIC_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    JOB_PHASE_FIELD_NUMBER: _ClassVar[int]
+    JOB_RESULT_FIELD_NUMBER: _ClassVar[int]
+    JOB_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    JOB_DRAIN_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -372,7 +384,13 @@ class JobStats(_message.Message):
     checkpoint_failed_step: int
     checkpoint_error: str
     metric_sources: _containers.ScalarMap[str, str]
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    job_phase: str
+    job_result: str
+    job_exit_code: int
+    job_ended_seconds_ago: float
+    job_drain_left_seconds: float
+    autoscale_decisions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ..., job_phase: _Optional[str] = ..., job_result: _Optional[str] = ..., job_exit_code: _Optional[int] = ..., job_ended_seconds_ago: _Optional[float] = ..., job_drain_left_seconds: _Optional[float] = ..., autoscale_decisions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnreachableReport(_message.Message):
     __slots__ = ("reporter_id", "member_id")

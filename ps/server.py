@@ -52,6 +52,11 @@ class PSServer:
         # is set with the reason and the process exits EXIT_UNREACHABLE.
         self.gave_up = threading.Event()
         self.gave_up_reason = ""
+        # The job ended and its drain is over (the view's job_phase "closing", chief/lifecycle.py): ``done``
+        # is set, and the process exits with the job's exit code. ``done`` is also set when it gave up.
+        self.done = threading.Event()
+        self.job_result = ""
+        self.job_exit_code: int | None = None
         self.chief = ChiefClient(chief, pb.PS, host=socket.gethostname(), address_advertised=self.address,
                                  join_deadline_s=chief_timeout_s, lost_after_s=chief_timeout_s,
                                  on_lost=self._lost_chief, heartbeat_extra=self._fill_heartbeat)
@@ -116,10 +121,15 @@ class PSServer:
     def _lost_chief(self, why: str) -> None:
         self.gave_up_reason = why
         self.gave_up.set()
+        self.done.set()
 
     def _on_view(self, view: pb.ClusterView) -> None:
         workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
         self.host.set_view(workers, view.completed_epochs, list(view.shards))
+        if view.job_phase == "closing" and not self.done.is_set():
+            self.job_result, self.job_exit_code = view.job_result, view.job_exit_code
+            log.info("the job ended (%s) and its drain is over: this server exits", view.job_result)
+            self.done.set()
 
     def _worker_dropped(self, member_id: str) -> None:
         """A worker's data connection closed under it: tell the chief, which ends the worker at once if
@@ -137,6 +147,9 @@ class PSServer:
             log.info("could not report worker %s's dropped connection: %s", member_id, exc.code().name)
 
     def stop(self, grace_s: float = 2.0) -> None:
+        if getattr(self, "_stopped", False):       # once: `shoal ps` stops it at the job's end, a harness again
+            return
+        self._stopped = True
         set_serving(self._health, SERVICE, False)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()

@@ -55,7 +55,8 @@ def view_to_pb(view: View) -> pb.ClusterView:
                                     backup_id=r.backup_id, backup_address=r.backup_address,
                                     backup_complete=r.backup_complete) for r in view.routes],
         ready=view.ready, job=job_to_pb(view.job), layout_fingerprint=view.fingerprint,
-        completed_epochs=view.completed_epochs)
+        completed_epochs=view.completed_epochs, job_phase=view.job_phase, job_result=view.job_result,
+        job_exit_code=view.job_exit_code)
 
 
 def dataset_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:

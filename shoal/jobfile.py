@@ -118,6 +118,8 @@ KEYS: dict[str, Key] = {
     "log_level": Key("str", *_choice("debug", "info", "warning", "error")),
     "chief.bind": Key("str", *_ADDR, dests=("bind",), commands=("chief",)),
     "chief.journal": Key("str", "a file path", dests=("journal",), commands=("chief",)),
+    "chief.end_drain": Key("duration", "a time like 30s or 2m", lambda v: v >= 0, dests=("end_drain",),
+                           commands=("chief",)),
     "ps.bind": Key("str", *_ADDR, dests=("bind",), commands=("ps",)),
     "ps.advertise": Key("str", "a host name", dests=("advertise",), commands=("ps",)),
     "ps.data_port": Key("int", *_PORT, dests=("data_port",), commands=("ps",)),

@@ -33,3 +33,6 @@ class View:
     completed_epochs: int = 0
     stragglers: frozenset[str] = frozenset()
     step_seconds: Mapping[str, float] = field(default_factory=dict)
+    job_phase: str = ""            # chief/lifecycle.py's Phase once the job ended ("finished", "closing")
+    job_result: str = ""
+    job_exit_code: int = 0

@@ -21,7 +21,7 @@ from shoal.cli.sources import add_commands as add_source_commands, apply_sources
 from shoal.jobfile import load_job
 from shoal.memory import tune_malloc
 from shoal.cli import observe, security
-from shoal.errors import (EXIT_REFUSED, EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, Refused,
+from shoal.errors import (JOB_FINISHED, EXIT_REFUSED, EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, Refused,
                           ShoalError, Unavailable, Unreachable)
 
 log = logging.getLogger("shoal")
@@ -122,8 +122,10 @@ def cmd_chief(args: argparse.Namespace) -> int:
     job = _job_from(args, args.num_shards)
     tensorboard, metrics_port = observe.tensorboard_dir(args), observe.metrics_port(args)
     security.warn_if_exposed("shoal chief", args.bind)
+    if not args.end_drain >= 0:
+        raise InvalidArgument(f"--end-drain must be >= 0 seconds (inf: until stopped), got {args.end_drain:g}")
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args))
+                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args), drain_s=args.end_drain)
     server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
     _freeze_heap()
     _write_port(args.port_file, server.port)
@@ -138,10 +140,16 @@ def cmd_chief(args: argparse.Namespace) -> int:
     if server.state.stopped:
         server.stopped.set()
     threading.Thread(target=lambda: (server.failed.wait(), done.set()), daemon=True).start()
+    threading.Thread(target=lambda: (server.closed.wait(), done.set()), daemon=True).start()
     _serve_until_signalled(server, done)
     if server.servicer.failed is not None:
         print(f"shoal chief: error: {server.servicer.failed}", file=sys.stderr)
         return 1
+    if server.closed.is_set():        # the job ended and drained (chief/lifecycle.py)
+        ending = server.state.lifecycle.ending
+        if ending.exit_code:
+            print(f"shoal chief: the job failed: {ending.result}", file=sys.stderr)
+        return ending.exit_code
     if server.stopped.is_set():
         print(f"shoal chief: job stopped: {server.state.stopped}", file=sys.stderr)
         return EXIT_ROLLBACK
@@ -166,10 +174,13 @@ def cmd_ps(args: argparse.Namespace) -> int:
         server.stop(grace_s=0.5)                          # leaves the job it just joined
         raise
     _write_port(args.port_file, server.port)
-    _serve_until_signalled(server, server.gave_up)
+    _serve_until_signalled(server, server.done)
     if server.gave_up_reason:
         print(f"shoal ps: error: {server.gave_up_reason}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    if server.job_exit_code:
+        print(f"shoal ps: the job failed: {server.job_result}", file=sys.stderr)
+        return server.job_exit_code
     return 0
 
 
@@ -206,7 +217,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(script.resolve().parent))
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except (Refused, Unreachable) as exc:          # one line, and a code that says whether to restart
+    except Refused as exc:
+        if JOB_FINISHED in str(exc):              # joined a job that has ended: nothing to do, not a failure
+            print(f"shoal worker: {str(exc).split(': ', 1)[-1]}; exiting", file=sys.stderr)
+            return 0
+        print(f"shoal worker: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Unreachable as exc:          # one line, and a code that says whether to restart
         print(f"shoal worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED if isinstance(exc, Refused) else EXIT_UNREACHABLE
     return 0
@@ -299,7 +316,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         snapshot = collect(args.chief)
     except grpc.RpcError as exc:
         raise Unavailable(f"cannot reach the chief at {args.chief}: {exc.code().name}") from exc
-    print(to_json(snapshot) if args.json else render(snapshot))
+    try:
+        print(to_json(snapshot) if args.json else render(snapshot), flush=True)
+    except BrokenPipeError:         # `shoal status | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
     return 0
 
 
@@ -320,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
                    help="SQLite file to keep the chief's state in; a restarted chief carries on from it")
     p.add_argument("--fresh", action="store_true", help="move an existing --journal aside and start the job over")
+    p.add_argument("--end-drain", type=float, default=os.environ.get("SHOAL_END_DRAIN", "30"),
+                   metavar="SECONDS",
+                   help="once the job has ended, keep the chief and its servers up at most this long (workers "
+                        "evaluate and read the final weights; default 30, sooner once no worker is left for a "
+                        "lease), then they all exit with the job's exit code; inf: until stopped")
     _job_args(p)
     _checkpoint_args(p)
     observe.add_args(p)

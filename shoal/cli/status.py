@@ -64,7 +64,18 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                             "error": stats.checkpoint_error},
             "lost_shards": list(stats.lost_shards),
             "alerts": alerts_of(dict(stats.metrics)),
+            "job": _ending(stats),
             **_autoscale(stats)}
+
+
+def _ending(stats: pb.JobStats) -> dict[str, Any]:
+    """The job's phase (running, finished, closing; chief/lifecycle.py) and, once it ended, how."""
+    out: dict[str, Any] = {"phase": stats.job_phase or "running"}
+    if stats.job_result:
+        out.update(result=stats.job_result, exit_code=stats.job_exit_code,
+                   ended_seconds_ago=round(stats.job_ended_seconds_ago, 1),
+                   drain_left_seconds=round(stats.job_drain_left_seconds, 1))
+    return out
 
 
 def alerts_of(job_metrics: dict[str, float]) -> list[dict[str, Any]]:
@@ -143,8 +154,16 @@ def exactly_once(s: dict[str, Any]) -> bool:
     return True
 
 
+def _state_word(s: dict[str, Any]) -> str:
+    job = s.get("job", {})
+    if job.get("result"):
+        word = "finished" if not job.get("exit_code") else f"FAILED (exit {job['exit_code']})"
+        return f"{word}: {job['result']}" + (" (closing)" if job.get("phase") == "closing" else "")
+    return "ready" if s["ready"] else "NOT READY"
+
+
 def render(s: dict[str, Any]) -> str:
-    out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {'ready' if s['ready'] else 'NOT READY'}; "
+    out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {_state_word(s)}; "
            f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
            *([f"autoscaling: {s['autoscale']['desired_workers']} worker(s) wanted, "
