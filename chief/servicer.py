@@ -102,13 +102,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             for line in self.state.step_lifecycle(self.final_checkpoint()):
                 (log.info if self.state.lifecycle.ending.ok else log.error)(line)
             if self.autoscaler is not None:
-                s = self.state
-                desired = self.autoscaler.desired
-                self.autoscaler.observe(time.monotonic(), s.tasks.total - s.tasks.done_count,
-                                        len(s.members.alive(Role.WORKER)), s.totals().steps)
-                if self.autoscaler.desired != desired:
-                    log.info("autoscaling: %d worker(s) wanted (was %d; %d task(s) not done)",
-                             self.autoscaler.desired, desired, s.tasks.total - s.tasks.done_count)
+                self._autoscale()
             if self.state.epoch != before:
                 self._save("expired " + ", ".join(m.member_id for m in gone) if gone else "tick")
                 self._wake_watchers()
@@ -116,6 +110,15 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                 self._wake_watchers()
             elif self._dirty and time.monotonic() - self._last_write >= self.heartbeat_flush_s:
                 self._save("heartbeats")
+
+    def _autoscale(self) -> None:
+        """The desired worker count follows the load (chief/autoscale.py); each decision is one line."""
+        s, scaler = self.state, self.autoscaler
+        made = scaler.made
+        scaler.observe(time.monotonic(), s.tasks.total - s.tasks.done_count, len(s.members.alive(Role.WORKER)),
+                       s.totals().steps, s.tasks.total, s.tasks.finished)
+        for d in list(scaler.decisions)[made - scaler.made:] if scaler.made > made else []:
+            log.info("autoscaling: %s", d.line())
 
     @grpc_errors
     def ReportUnreachable(self, request, context):
@@ -285,7 +288,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             s = self.state
             workers = list(s.members.all(Role.WORKER))
             metrics = dict(s.metrics)
-            if self.autoscaler is not None:
+            if self.autoscaler is not None and self.autoscaler.desired is not None:
                 metrics[DESIRED_WORKERS] = float(self.autoscaler.desired)
             return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=metrics,
                                workers_seen=len(workers), workers_live=len(s.members.alive(Role.WORKER)),
@@ -301,6 +304,9 @@ class ChiefServicer(pb_grpc.ChiefServicer):
     def _ending_stats(self) -> dict:
         lc = self.state.lifecycle
         out = {"job_phase": lc.phase.value, "job_drain_left_seconds": lc.drain_left_s()}
+        if self.autoscaler is not None:
+            now = time.monotonic()
+            out["autoscale_decisions"] = [f"{now - d.at:.0f}s ago: {d.line()}" for d in self.autoscaler.decisions]
         if lc.ending is not None:
             out.update(job_result=lc.ending.result, job_exit_code=lc.ending.exit_code,
                        job_ended_seconds_ago=lc.ended_seconds_ago())

@@ -93,7 +93,8 @@ def _autoscale(stats: pb.JobStats) -> dict[str, Any]:
     desired = stats.metrics.get("autoscale_desired_workers")
     if desired is None:
         return {}
-    return {"autoscale": {"desired_workers": int(desired), "live_workers": stats.workers_live}}
+    return {"autoscale": {"desired_workers": int(desired), "live_workers": stats.workers_live,
+                          "decisions": list(stats.autoscale_decisions)}}
 
 
 def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
@@ -168,6 +169,7 @@ def render(s: dict[str, Any]) -> str:
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
            *([f"autoscaling: {s['autoscale']['desired_workers']} worker(s) wanted, "
               f"{s['autoscale']['live_workers']} live"] if "autoscale" in s else []),
+           *(f"  {line}" for line in s.get("autoscale", {}).get("decisions", [])[-3:]),
            "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
     ck = s.get("checkpoints", {})
     if ck.get("failed"):
