@@ -13,6 +13,7 @@ from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
+from shoal.chief.stragglers import StragglerPolicy
 from shoal.chief.telemetry import ChiefWatch
 from shoal.config import JobConfig
 from shoal.members import Role
@@ -31,7 +32,7 @@ class ChiefServer:
     def __init__(self, job: JobConfig, bind: str = "127.0.0.1:0", tick_s: float = 0.2,
                  journal: "str | os.PathLike | Journal | None" = None, fresh: bool = False,
                  checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None,
-                 drain_s: float = DRAIN_S):
+                 drain_s: float = DRAIN_S, stragglers: StragglerPolicy | None = None):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
         if saved is not None and saved.get("stopped") and checkpoint is not None:
@@ -45,6 +46,8 @@ class ChiefServer:
         self.job = self.state.job
         lc = self.state.lifecycle      # the drain ends early once no worker was live for a lease
         lc.drain_s, lc.quiet_s, lc.close_grace_s = drain_s, self.job.lease_seconds, 2 * self.job.lease_seconds + 5
+        if stragglers is not None:      # the job file's straggler_detection (chief/stragglers.py)
+            self.state.straggling.policy = stragglers
         self.servicer = ChiefServicer(self.state, self.journal)
         if autoscale is not None:
             self.servicer.autoscaler = Autoscaler(autoscale)

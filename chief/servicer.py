@@ -20,6 +20,7 @@ from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.lifecycle import FinalCheckpoint
 from shoal.chief.state import ChiefState
+from shoal.chief.stragglers import RoundBlame
 from shoal.chief.views import ViewBoard, check_scope
 from shoal import auth, convert, tokens
 from shoal.errors import InvalidArgument, Unavailable
@@ -101,6 +102,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             gone = self.state.tick()
             for line in self.state.step_lifecycle(self.final_checkpoint()):
                 (log.info if self.state.lifecycle.ending.ok else log.error)(line)
+            for line in self.state.watch_stragglers():
+                log.warning(line)
             if self.autoscaler is not None:
                 self._autoscale()
             if self.state.epoch != before:
@@ -190,11 +193,15 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                          {p.task_id: p.next_start for p in request.progress},
                                          request.step_seconds,
                                          {c.shard: c.backup_id for c in request.backups_complete})
+            if request.round_blame and known:
+                self.state.round_blame(mid, [RoundBlame(b.shard, b.worker, b.rounds, b.last, b.ratio,
+                                                        b.waited_seconds) for b in request.round_blame])
             if self.state.epoch != epoch:           # a backup's copy is complete: journaled, then published
                 self._changed_now(f"backups complete from {mid}")
             elif known and (request.progress or before != (m.counters, self.state.step_seconds.get(mid))):
                 self._touch()
-            return pb.HeartbeatReply(epoch=self.state.epoch, known=known)
+            return pb.HeartbeatReply(epoch=self.state.epoch, known=known,
+                                     leave=self.state.straggling.leave_reason(mid))
 
     @grpc_errors
     def Leave(self, request, context):

@@ -15,6 +15,7 @@ from shoal import tokens
 from shoal.chief import placement
 from shoal.chief.lifecycle import Ending, FinalCheckpoint, JobLifecycle, Observed, Phase
 from shoal.chief.membership import Membership
+from shoal.chief.stragglers import RoundBlame, StragglerDetector, StragglerPolicy
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
 from shoal.errors import JOB_FINISHED, FailedPrecondition, InvalidArgument, NotFound
@@ -62,6 +63,8 @@ class ChiefState:
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
         self.lifecycle = JobLifecycle(clock)   # the job's end (chief/lifecycle.py); its ending is journaled
+        # stragglers from what the job waits on, and what to do with them (chief/stragglers.py; not journaled)
+        self.straggling = StragglerDetector(StragglerPolicy(max(straggler_factor, 1.01)), sync=job.mode == "sync")
 
     def _changed(self, why: str) -> None:
         self.epoch += 1
@@ -177,13 +180,25 @@ class ChiefState:
         return True
 
     def stragglers(self) -> set[str]:
-        """Busy workers slower than ``straggler_factor`` times the median step time."""
-        busy = {m.member_id for m in self.members.alive(Role.WORKER) if m.state is MemberState.ALIVE}
-        times = {w: t for w, t in self.step_seconds.items() if w in busy}
-        if len(times) < 2:
-            return set()
-        median = statistics.median(times.values())
-        return {w for w, t in times.items() if t > self.straggler_factor * median}
+        """Workers found slow by what the job waits on (chief/stragglers.py)."""
+        return self.straggling.stragglers()
+
+    def _busy_workers(self) -> set[str]:
+        return {m.member_id for m in self.members.alive(Role.WORKER) if m.state is MemberState.ALIVE}
+
+    def round_blame(self, member_id: str, blame: list[RoundBlame]) -> None:
+        """A server's heartbeat: which workers its primaries' sync rounds waited for."""
+        self.straggling.rounds(b for b in blame if self.routing.get(b.shard) == member_id)
+
+    def watch_stragglers(self) -> list[str]:
+        """One straggler observation (the ticker); the lines to log. A change in who the sync rounds
+        close without bumps the epoch: the servers follow it in the view."""
+        busy = self._busy_workers()
+        before = (self.straggling.stragglers(), self.straggling.excluded(busy))
+        lines = self.straggling.observe(busy, self.step_seconds)
+        if (self.straggling.stragglers(), self.straggling.excluded(busy)) != before:
+            self._changed("stragglers: " + (", ".join(sorted(self.straggling.stragglers())) or "none"))
+        return lines
 
     def sign(self, member_id: str, t: Task) -> bytes:
         return tokens.sign(self.secret, member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
@@ -233,6 +248,7 @@ class ChiefState:
     def _drop(self, m: Member, graceful: bool = False) -> None:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)
+            self.straggling.forget(m.member_id)
             return
         # graceful: the ps left on purpose (SIGTERM, the end of the job): its backups hold every update it
         # acknowledged, so promoting them is a planned hand-over, not a failover. Its routine lines (one a
@@ -354,7 +370,7 @@ class ChiefState:
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
                     *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()),
-                    **self._ending_fields())
+                    excluded=frozenset(self.straggling.excluded(self._busy_workers())), **self._ending_fields())
 
     def _ending_fields(self) -> dict:
         lc = self.lifecycle

@@ -92,7 +92,7 @@ class JoinRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ..., view_scope: _Optional[_Union[ViewScope, str]] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler")
+    __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler", "excluded")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class MemberInfo(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     role: Role
     address: str
@@ -109,7 +110,8 @@ class MemberInfo(_message.Message):
     counters: Counters
     step_seconds: float
     straggler: bool
-    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
+    excluded: bool
+    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ..., excluded: _Optional[bool] = ...) -> None: ...
 
 class ShardRoute(_message.Message):
     __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address", "backup_complete")
@@ -186,18 +188,36 @@ class TaskProgress(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., next_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete")
+    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete", "round_blame")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_BLAME_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     counters: Counters
     progress: _containers.RepeatedCompositeFieldContainer[TaskProgress]
     step_seconds: float
     backups_complete: _containers.RepeatedCompositeFieldContainer[ShardCopy]
-    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+    round_blame: _containers.RepeatedCompositeFieldContainer[RoundBlame]
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., round_blame: _Optional[_Iterable[_Union[RoundBlame, _Mapping]]] = ...) -> None: ...
+
+class RoundBlame(_message.Message):
+    __slots__ = ("shard", "worker", "rounds", "last", "ratio", "waited_seconds")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    worker: str
+    rounds: int
+    last: int
+    ratio: float
+    waited_seconds: float
+    def __init__(self, shard: _Optional[int] = ..., worker: _Optional[str] = ..., rounds: _Optional[int] = ..., last: _Optional[int] = ..., ratio: _Optional[float] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardCopy(_message.Message):
     __slots__ = ("shard", "backup_id")
@@ -208,12 +228,14 @@ class ShardCopy(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., backup_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("epoch", "known")
+    __slots__ = ("epoch", "known", "leave")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     known: bool
-    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+    leave: str
+    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ..., leave: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("member_id", "counters")

@@ -117,6 +117,12 @@ class PSServer:
     def _fill_heartbeat(self, req: pb.HeartbeatRequest) -> None:
         """Tells the chief which backups of this server's primaries hold a whole copy (only those it promotes)."""
         req.backups_complete.extend(pb.ShardCopy(shard=k, backup_id=b) for k, b in self.host.backups_complete())
+        # which workers this server's primaries' sync rounds waited for (ps/round_timing.py, chief/stragglers.py)
+        for k, shard in list(self.host.shards.items()):
+            if self.host.roles.get(k) == "primary":
+                req.round_blame.extend(pb.RoundBlame(shard=k, worker=b.worker, rounds=b.rounds, last=b.last,
+                                                     ratio=b.ratio, waited_seconds=b.waited_s)
+                                       for b in shard.rounds.blame())
 
     def _lost_chief(self, why: str) -> None:
         self.gave_up_reason = why
@@ -124,7 +130,9 @@ class PSServer:
         self.done.set()
 
     def _on_view(self, view: pb.ClusterView) -> None:
-        workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
+        # a worker the chief leaves out (straggler_detection action backup) is not waited for by sync rounds
+        workers = frozenset(m.member_id for m in view.members
+                            if m.role == pb.WORKER and m.state == "alive" and not m.excluded)
         self.host.set_view(workers, view.completed_epochs, list(view.shards))
         if view.job_phase == "closing" and not self.done.is_set():
             self.job_result, self.job_exit_code = view.job_result, view.job_exit_code

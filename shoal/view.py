@@ -33,6 +33,7 @@ class View:
     completed_epochs: int = 0
     stragglers: frozenset[str] = frozenset()
     step_seconds: Mapping[str, float] = field(default_factory=dict)
+    excluded: frozenset[str] = frozenset()     # workers sync rounds close without (chief/stragglers.py)
     job_phase: str = ""            # chief/lifecycle.py's Phase once the job ended ("finished", "closing")
     job_result: str = ""
     job_exit_code: int = 0

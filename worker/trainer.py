@@ -65,6 +65,12 @@ def request_stop() -> bool:
     return taking
 
 
+def _leave_asked(why: str) -> None:
+    """The chief asks this worker to leave: it hands back its task and exits 0, as on SIGTERM."""
+    log.warning("the chief asks this worker to leave (%s): handing back its task at the next batch", why)
+    request_stop()
+
+
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 
@@ -136,6 +142,7 @@ class Trainer(ShardExchange):
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat, join_deadline_s=connect_timeout_s,
                                  view_scope=pb.ROUTING)     # woken by routing changes only (chief/views.py)
+        self.chief.on_leave_asked = _leave_asked                 # an evicted straggler (chief/stragglers.py)
         # before joining: a metrics port in use is an error that leaves nothing behind
         self.telemetry = WorkerTelemetry.from_env(lambda: self.chief.member_id, report=self._send_metrics)
         self.clock, self._bytes_at_step = StepClock(), [0, 0]

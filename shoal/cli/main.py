@@ -17,7 +17,8 @@ import grpc
 
 from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources
 from shoal.cli import compose, k8s
-from shoal.cli.sources import add_commands as add_source_commands, apply_sources, autoscale_policy, export_job_file
+from shoal.cli.sources import (add_commands as add_source_commands, apply_sources, autoscale_policy,
+                               export_job_file, straggler_policy)
 from shoal.jobfile import load_job
 from shoal.memory import tune_malloc
 from shoal.cli import observe, security
@@ -125,7 +126,8 @@ def cmd_chief(args: argparse.Namespace) -> int:
     if not args.end_drain >= 0:
         raise InvalidArgument(f"--end-drain must be >= 0 seconds (inf: until stopped), got {args.end_drain:g}")
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args), drain_s=args.end_drain)
+                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args), drain_s=args.end_drain,
+                         stragglers=straggler_policy(args))
     server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
     _freeze_heap()
     _write_port(args.port_file, server.port)

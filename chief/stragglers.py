@@ -1,0 +1,166 @@
+"""Straggler detection from what the job waits on, and what is done about a straggler.
+
+Pure: the chief's state feeds it heartbeats (workers' step times, servers' round blame) and reads
+the stragglers and what to do with them; the clock is injected.
+
+- **sync**: every worker's step takes as long as the round, so step times say nothing. The servers
+  time their rounds (ps/round_timing.py): a worker is a straggler when it was the last to push in at
+  least ``LAST_SHARE`` of the recent rounds and took ``factor`` times as long as the others there.
+- **async / ssp**: a worker is a straggler when its mean step time is ``factor`` times the median of
+  the *other* workers' (with two workers: the other one's), so any number of workers works.
+
+A worker found a straggler ``HOLD`` observations in a row is flagged (one line), and acted on
+according to ``action``:
+
+- ``flag``: shown in ``shoal status`` and the view; nothing else.
+- ``backup``: sync rounds close without it (the servers leave it out of the workers a round waits
+  for; a gradient of it that arrives after its round closed is dropped and its batch re-queued, as with
+  ``--backup-workers``); in ssp, the others no longer wait for its clock. Never all workers at once.
+- ``evict``: it is asked to leave (the reply to its heartbeat): it hands back its task, leaves and
+  exits 0; its tasks go back to the queue. One at a time, and never the last worker.
+
+A straggler that is no longer slow (its blame or step time falls back) is cleared, and so is a flag
+for a worker that left.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from shoal.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("flag", "backup", "evict")
+LAST_SHARE = 0.75     # sync: the share of recent rounds that waited for it last
+MIN_ROUNDS = 8        # sync: rounds timed before anyone is judged
+HOLD = 2              # observations in a row before a worker is flagged
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    factor: float = 2.0
+    action: str = "flag"
+
+    def __post_init__(self) -> None:
+        if not self.factor > 1:
+            raise InvalidArgument(f"straggler_detection.factor must be > 1, got {self.factor}")
+        if self.action not in ACTIONS:
+            raise InvalidArgument(f"straggler_detection.action {self.action!r} is not one of {', '.join(ACTIONS)}")
+
+    @classmethod
+    def from_section(cls, section: Mapping) -> "StragglerPolicy":
+        return cls(**dict(section))
+
+
+@dataclass(frozen=True)
+class RoundBlame:
+    """A server's word on one shard's recent sync rounds (ps/round_timing.py's Blame, per shard)."""
+
+    shard: int
+    worker: str
+    rounds: int
+    last: int
+    ratio: float
+    waited_s: float
+
+
+class StragglerDetector:
+    def __init__(self, policy: StragglerPolicy | None = None, sync: bool = True):
+        self.policy = policy or StragglerPolicy()
+        self.sync = sync
+        self.flagged: dict[str, str] = {}        # worker -> why
+        self._streak: dict[str, int] = {}
+        self._blame: dict[int, list[RoundBlame]] = {}   # shard -> its primary's latest blame
+        self.evicting: dict[str, str] = {}       # worker -> why, until it leaves
+
+    # ------------------------------------------------------------ input
+
+    def rounds(self, blame: Iterable[RoundBlame]) -> None:
+        """A server's heartbeat: the latest blame of each of its primaries' shards."""
+        by_shard: dict[int, list[RoundBlame]] = {}
+        for b in blame:
+            by_shard.setdefault(b.shard, []).append(b)
+        self._blame.update(by_shard)
+
+    # ------------------------------------------------------------ decisions
+
+    def _slow_now(self, busy: set[str], step_seconds: Mapping[str, float]) -> dict[str, str]:
+        """The busy workers slow right now, and why (one observation)."""
+        factor, out = self.policy.factor, {}
+        if self.sync:
+            for shard, blames in sorted(self._blame.items()):
+                for b in blames:
+                    if b.worker in busy and b.rounds >= MIN_ROUNDS and b.last >= LAST_SHARE * b.rounds \
+                            and b.ratio >= factor and b.worker not in out:
+                        out[b.worker] = (f"{b.last} of the last {b.rounds} sync rounds of shard {shard} waited "
+                                         f"for it, {b.ratio:.1f}x the others' time ({b.waited_s:.1f}s in all)")
+            return out
+        times = {w: t for w, t in step_seconds.items() if w in busy and t > 0}
+        for w, t in times.items():
+            others = [o for v, o in times.items() if v != w]
+            if others and t >= factor * statistics.median(others):
+                out[w] = f"{t * 1e3:.0f} ms a step, {t / statistics.median(others):.1f}x the others' median"
+        return out
+
+    def observe(self, busy: set[str], step_seconds: Mapping[str, float]) -> list[str]:
+        """One observation (the chief's ticker); returns the lines to log (a flag raised or cleared)."""
+        slow = self._slow_now(busy, step_seconds)
+        lines = []
+        for w in list(self._streak):
+            if w not in slow:
+                del self._streak[w]
+        for w, why in slow.items():
+            self._streak[w] = self._streak.get(w, 0) + 1
+            if self._streak[w] >= HOLD and w not in self.flagged:
+                self.flagged[w] = why
+                lines.append(f"straggler {w}: {why}; action {self.policy.action}")
+        for w in [w for w in self.flagged if w not in busy or (w not in slow and w not in self._excluded_now())]:
+            del self.flagged[w]
+            if w in busy:
+                lines.append(f"straggler {w} is no longer slow")
+        if self.policy.action == "evict":
+            lines += self._evict(busy)
+        return lines
+
+    def _excluded_now(self) -> set[str]:
+        # under ``backup`` an excluded worker's rounds no longer wait for it, so its blame fades by itself:
+        # it stays excluded (and flagged) until it leaves
+        return set(self.flagged) if self.policy.action == "backup" else set()
+
+    def _evict(self, busy: set[str]) -> list[str]:
+        for w in [w for w in self.evicting if w not in busy]:
+            del self.evicting[w]                  # it left
+        if self.evicting or len(busy) < 2:
+            return []
+        for w, why in self.flagged.items():
+            self.evicting[w] = why
+            return [f"asking straggler {w} to leave (straggler_detection action evict)"]
+        return []
+
+    def forget(self, worker: str) -> None:
+        """The worker left or was dropped."""
+        self.flagged.pop(worker, None)
+        self._streak.pop(worker, None)
+        self.evicting.pop(worker, None)
+        for shard, blames in self._blame.items():
+            self._blame[shard] = [b for b in blames if b.worker != worker]
+
+    # ------------------------------------------------------------ reads
+
+    def stragglers(self) -> set[str]:
+        return set(self.flagged)
+
+    def excluded(self, busy: set[str]) -> set[str]:
+        """``backup``: the workers sync rounds close without (never every busy worker)."""
+        if self.policy.action != "backup":
+            return set()
+        out = {w for w in self.flagged if w in busy}
+        return out if out != busy else set()
+
+    def leave_reason(self, worker: str) -> str:
+        """``evict``: why this worker is asked to leave ("" : it is not)."""
+        why = self.evicting.get(worker, "")
+        return f"evicted as a straggler: {why}" if why else ""

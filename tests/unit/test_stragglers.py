@@ -1,0 +1,133 @@
+"""Straggler detection from what the job waits on (chief/stragglers.py, ps/round_timing.py), fake clocks."""
+import pytest
+
+from shoal.chief.state import ChiefState
+from shoal.chief.stragglers import HOLD, MIN_ROUNDS, RoundBlame, StragglerDetector, StragglerPolicy
+from shoal.chief.tasks import DatasetSpec
+from shoal.config import JobConfig
+from shoal.errors import InvalidArgument
+from shoal.layout import ModelLayout, TensorSpec
+from shoal.ps.round_timing import RoundTimer
+
+LAYOUT = ModelLayout([TensorSpec("w", (4,), "float32")])
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def timed_rounds(times: dict[str, float], rounds: int) -> RoundTimer:
+    """Sync rounds where each worker pushes ``times[w]`` seconds after the round opened."""
+    clock = Clock()
+    timer = RoundTimer(clock)
+    for _ in range(rounds):
+        start = clock.t
+        for w, t in sorted(times.items(), key=lambda kv: kv[1]):
+            clock.t = start + t
+            timer.arrived(w)
+        timer.closed()
+    return timer
+
+
+def blame_of(timer: RoundTimer, shard: int = 0) -> list[RoundBlame]:
+    return [RoundBlame(shard, b.worker, b.rounds, b.last, b.ratio, b.waited_s) for b in timer.blame()]
+
+
+def test_a_sync_round_timer_blames_the_worker_it_waited_for():
+    (b,) = timed_rounds({"w0": 0.1, "w1": 0.3}, rounds=10).blame()
+    assert (b.worker, b.rounds, b.last) == ("w1", 10, 10)
+    assert b.ratio == pytest.approx(3.0) and b.waited_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_sync_flags_a_worker_three_times_slower_with_any_number_of_workers(workers):
+    times = {f"w{i}": 0.1 + 0.001 * i for i in range(workers)}
+    times["w1"] = 0.3
+    d = StragglerDetector(StragglerPolicy(factor=2.0), sync=True)
+    d.rounds(blame_of(timed_rounds(times, rounds=MIN_ROUNDS)))
+    busy = set(times)
+    lines = [line for _ in range(HOLD) for line in d.observe(busy, {})]
+    assert d.stragglers() == {"w1"}
+    assert len(lines) == 1 and "straggler w1: 8 of the last 8 sync rounds" in lines[0]
+
+
+def test_sync_flags_nobody_when_the_workers_take_turns_being_last():
+    clock, timer = Clock(), None
+    timer = RoundTimer(clock)
+    for r in range(MIN_ROUNDS * 2):
+        start = clock.t
+        order = [("w0", 0.1), ("w1", 0.12)] if r % 2 else [("w1", 0.1), ("w0", 0.12)]
+        for w, t in order:
+            clock.t = start + t
+            timer.arrived(w)
+        timer.closed()
+    d = StragglerDetector(StragglerPolicy(factor=2.0), sync=True)
+    d.rounds(blame_of(timer))
+    for _ in range(HOLD + 1):
+        d.observe({"w0", "w1"}, {})
+    assert d.stragglers() == set()
+
+
+def test_async_compares_a_worker_with_the_others_so_two_workers_suffice():
+    d = StragglerDetector(StragglerPolicy(factor=2.0), sync=False)
+    for _ in range(HOLD):
+        d.observe({"a", "b"}, {"a": 0.1, "b": 0.3})
+    assert d.stragglers() == {"b"}
+    d.observe({"a", "b"}, {"a": 0.1, "b": 0.12})
+    assert d.stragglers() == set()
+
+
+def test_backup_excludes_the_straggler_from_sync_rounds_but_never_every_worker():
+    d = StragglerDetector(StragglerPolicy(factor=2.0, action="backup"), sync=False)
+    for _ in range(HOLD):
+        d.observe({"a", "b"}, {"a": 0.1, "b": 0.3})
+    assert d.excluded({"a", "b"}) == {"b"}
+    assert d.excluded({"b"}) == set()
+    d.observe({"a", "b"}, {"a": 0.1, "b": 0.1})     # its rounds no longer wait for it: it stays left out
+    assert d.excluded({"a", "b"}) == {"b"}
+
+
+def test_evict_asks_one_straggler_at_a_time_to_leave_and_never_the_last_worker():
+    d = StragglerDetector(StragglerPolicy(factor=2.0, action="evict"), sync=False)
+    lines = []
+    for _ in range(HOLD):
+        lines += d.observe({"a", "b", "c"}, {"a": 0.1, "b": 0.4, "c": 0.5})
+    assert sum("asking straggler" in line for line in lines) == 1
+    (asked,) = [w for w in "abc" if d.leave_reason(w)]
+    assert "evicted as a straggler" in d.leave_reason(asked)
+    d.forget(asked)                                   # it left
+    assert not d.leave_reason(asked)
+    d = StragglerDetector(StragglerPolicy(factor=2.0, action="evict"), sync=False)
+    for _ in range(HOLD + 2):
+        d.observe({"b"}, {"b": 0.4})
+    assert not d.leave_reason("b")
+
+
+def test_the_chief_state_publishes_excluded_workers_in_the_view_and_evicts_through_heartbeats():
+    clock = Clock()
+    s = ChiefState(JobConfig(mode="sync", num_shards=1), clock)
+    s.straggling.policy = StragglerPolicy(factor=2.0, action="backup")
+    a, b = s.join_worker(LAYOUT), s.join_worker(LAYOUT)
+    ps, shard = s.join_ps("127.0.0.1:1")
+    spec = DatasetSpec(size=400, batch_size=10, epochs=1, batches_per_task=1)
+    for w in (a, b):
+        s.take_tasks(w.member_id, spec, 1)
+    timer = timed_rounds({a.member_id: 0.1, b.member_id: 0.35}, rounds=MIN_ROUNDS)
+    s.round_blame(ps.member_id, blame_of(timer, shard))
+    epoch = s.epoch
+    for _ in range(HOLD):
+        s.watch_stragglers()
+    assert s.epoch > epoch and s.view().excluded == {b.member_id} and s.view().stragglers == {b.member_id}
+    s.round_blame("someone-else", blame_of(timed_rounds({a.member_id: 0.4, b.member_id: 0.1}, MIN_ROUNDS), shard))
+    assert s.straggling.stragglers() == {b.member_id}      # only a shard's primary speaks for its rounds
+
+
+def test_a_bad_policy_is_one_line():
+    with pytest.raises(InvalidArgument, match="factor must be > 1"):
+        StragglerPolicy(factor=1.0)
+    with pytest.raises(InvalidArgument, match="'kill' is not one of flag, backup, evict"):
+        StragglerPolicy(action="kill")
