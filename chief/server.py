@@ -108,15 +108,16 @@ class ChiefServer:
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
         """Starts the telemetry watcher (TensorBoard under ``tensorboard``/chief, Prometheus gauges,
         worker-behind alerts) and, with ``metrics_port`` (0: any free port), ``/metrics`` over HTTP."""
-        from shoal.metrics import MetricsEndpoint, bind_host
+        from shoal.metrics import MetricsEndpoint, bind_host, set_info
 
         def report(member: str, values: dict) -> None:
             with self.servicer.lock:
                 self.state.metrics.update(values)
 
         pauses = (lambda: self.checkpointer.pauses) if self.checkpointer is not None else None
+        set_info(mode=self.job.mode)
         if metrics_port is not None:
-            self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind))
+            self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind), role="chief")
             self.metrics_endpoint.announce("chief", "chief")
         def desired_workers() -> int | None:
             scaler = self.servicer.autoscaler

@@ -109,8 +109,10 @@ class PSServer:
         from shoal.ps.telemetry import collector
 
         metrics.register_state(f"ps/{id(self)}", collector(self.host))
+        if self.host.job is not None:
+            metrics.set_info(mode=self.host.job.mode)
         if port is not None:
-            self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host)
+            self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host, role="ps")
             self.metrics_endpoint.announce("ps", self.chief.member_id)
         return self
 

@@ -80,7 +80,7 @@ class WorkerTelemetry:
         self._endpoint = None
         self._announced = False
         if metrics_port is not None:
-            self._endpoint = metrics.MetricsEndpoint(metrics_port)     # announced once the member has a name
+            self._endpoint = metrics.MetricsEndpoint(metrics_port, role="worker")     # announced once the member has a name
         self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
         self._thread.start()
 

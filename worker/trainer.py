@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import torch
 
-from shoal import convert
+from shoal import convert, metrics
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
@@ -174,6 +174,7 @@ class Trainer(ShardExchange):
         self.buffers.load(self.flat_weights)       # the job's buffers, not this process's fresh ones
         self._started = True
         _LIVE.add(self)
+        metrics.set_info(mode=self.mode)          # shoal_job_info's mode label
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
