@@ -6,8 +6,11 @@ worker sleeping ``--delay`` a step (the slow one ``--slowdown`` times that):
 - ``without``: the 2 fast workers alone (the rate the job would have without the slow worker);
 - ``flag``, ``backup``, ``evict``: the 3 workers, ``straggler_detection: {factor: 2, action: ...}``.
 
-Updates per second are shard 0's version over the budget (detection time included). Prints one JSON
-object per case, then the ratios of each action's rate to ``without``.
+Two rates a case: ``updates_per_s``, shard 0's version over the whole budget (start-up and the time to
+find the straggler included), and ``settled_rounds_per_s``, the rounds a second over the last
+``--window`` seconds of training (the fastest worker's steps there: a sync round is one step of each
+worker it waits for), once the action has taken effect. Prints one JSON object per case, then the
+ratios of each action's settled rate to ``without``'s.
 
     .venv/bin/python bench/stragglers.py [--budget 20] [--delay 0.1] [--mode sync]
 """
@@ -23,6 +26,15 @@ import yaml
 from _local import run_local
 
 
+def settled_rate(logs: Path, window: float) -> float:
+    """The fastest worker's steps a second over the last ``window`` seconds before the last step of any."""
+    times = {}
+    for f in logs.glob("*.log"):
+        times[f.name] = [float(line) for line in f.read_text().splitlines() if line and not line.startswith("#")]
+    end = max((t[-1] for t in times.values() if t), default=0.0)
+    return max((sum(1 for x in t if end - window <= x <= end) / window for t in times.values()), default=0.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=20.0, help="training seconds per case")
@@ -30,12 +42,15 @@ def main() -> None:
     p.add_argument("--slowdown", type=float, default=3.0, help="the straggler's step time, as a multiple")
     p.add_argument("--mode", default="sync", choices=("sync", "async", "ssp"))
     p.add_argument("--cases", nargs="+", default=["without", "flag", "backup", "evict"])
+    p.add_argument("--window", type=float, default=10.0, help="seconds at the end of training the settled rate covers")
     args = p.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="shoal-stragglers-") as tmp:
         for case in args.cases:
+            logs = Path(tmp) / case
+            logs.mkdir()
             script = ["--epochs", "1000", "--time-budget", str(args.budget), "--step-delay", str(args.delay),
-                      "--hidden", "64"]
+                      "--hidden", "64", "--step-log", str(logs / "{pid}.log")]
             local = ["--ps", "1", "--mode", args.mode, "--workers", "2" if case == "without" else "3",
                      "--no-restart"]
             if case != "without":
@@ -46,13 +61,14 @@ def main() -> None:
             s = run_local(local, script)
             updates = s["shard_versions"]["0"]
             row = {"case": case, "mode": args.mode, "budget_s": args.budget, "updates": updates,
-                   "updates_per_s": round(updates / args.budget, 2), "worker_steps": s["steps"],
+                   "updates_per_s": round(updates / args.budget, 2),
+                   "settled_rounds_per_s": round(settled_rate(logs, args.window), 2), "worker_steps": s["steps"],
                    "test_accuracy": round(s["test_accuracy"], 4)}
             results[case] = row
             print(json.dumps(row), flush=True)
     if "without" in results:
-        base = results["without"]["updates_per_s"]
-        print(json.dumps({"case": "ratios", **{f"{c}_vs_without": round(r["updates_per_s"] / base, 2)
+        base = results["without"]["settled_rounds_per_s"]
+        print(json.dumps({"case": "ratios", **{f"{c}_vs_without": round(r["settled_rounds_per_s"] / base, 2)
                                                for c, r in results.items() if c != "without"}}))
 
 

@@ -193,6 +193,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                          {p.task_id: p.next_start for p in request.progress},
                                          request.step_seconds,
                                          {c.shard: c.backup_id for c in request.backups_complete})
+            if request.own_step_seconds and known:
+                self.state.straggling.own_time(mid, request.own_step_seconds)
             if request.round_blame and known:
                 self.state.round_blame(mid, [RoundBlame(b.shard, b.worker, b.rounds, b.last, b.ratio,
                                                         b.waited_seconds) for b in request.round_blame])

@@ -3,9 +3,13 @@
 Pure: the chief's state feeds it heartbeats (workers' step times, servers' round blame) and reads
 the stragglers and what to do with them; the clock is injected.
 
-- **sync**: every worker's step takes as long as the round, so step times say nothing. The servers
-  time their rounds (ps/round_timing.py): a worker is a straggler when it was the last to push in at
-  least ``LAST_SHARE`` of the recent rounds and took ``factor`` times as long as the others there.
+- **sync**: every worker's step takes as long as the round, so step times say nothing. What a round
+  waits on is each worker's own time a step (outside ``trainer.step()``: data, forward, backward),
+  which workers report: a worker is a straggler when its own time is ``factor`` times the median of
+  the others'. The servers also time their rounds (ps/round_timing.py): once they have timed
+  ``MIN_ROUNDS``, a straggler must also have been the last to push in at least ``LAST_SHARE`` of them
+  (and the line says how long they waited for it). Round timing alone would not do: with pushes
+  overlapping backward, equally fast workers settle into a fixed order, one always last.
 - **async / ssp**: a worker is a straggler when its mean step time is ``factor`` times the median of
   the *other* workers' (with two workers: the other one's), so any number of workers works.
 
@@ -34,7 +38,7 @@ from shoal.errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 ACTIONS = ("flag", "backup", "evict")
-LAST_SHARE = 0.75     # sync: the share of recent rounds that waited for it last
+LAST_SHARE = 0.5      # sync: the share of recent rounds that waited for it last
 MIN_ROUNDS = 8        # sync: rounds timed before anyone is judged
 HOLD = 2              # observations in a row before a worker is flagged
 
@@ -75,8 +79,14 @@ class StragglerDetector:
         self._streak: dict[str, int] = {}
         self._blame: dict[int, list[RoundBlame]] = {}   # shard -> its primary's latest blame
         self.evicting: dict[str, str] = {}       # worker -> why, until it leaves
+        self._own: dict[str, float] = {}         # worker -> its own time a step (sync)
 
     # ------------------------------------------------------------ input
+
+    def own_time(self, worker: str, seconds: float) -> None:
+        """A worker's heartbeat: its recent mean time a step outside ``trainer.step()``."""
+        if seconds > 0:
+            self._own[worker] = seconds
 
     def rounds(self, blame: Iterable[RoundBlame]) -> None:
         """A server's heartbeat: the latest blame of each of its primaries' shards."""
@@ -89,20 +99,29 @@ class StragglerDetector:
 
     def _slow_now(self, busy: set[str], step_seconds: Mapping[str, float]) -> dict[str, str]:
         """The busy workers slow right now, and why (one observation)."""
-        factor, out = self.policy.factor, {}
+        out: dict[str, str] = {}
         if self.sync:
-            for shard, blames in sorted(self._blame.items()):
-                for b in blames:
-                    if b.worker in busy and b.rounds >= MIN_ROUNDS and b.last >= LAST_SHARE * b.rounds \
-                            and b.ratio >= factor and b.worker not in out:
-                        out[b.worker] = (f"{b.last} of the last {b.rounds} sync rounds of shard {shard} waited "
-                                         f"for it, {b.ratio:.1f}x the others' time ({b.waited_s:.1f}s in all)")
+            for w, why in self._slower(busy, self._own, "own time").items():
+                blamed = [(shard, b) for shard, blames in sorted(self._blame.items()) for b in blames
+                          if b.worker == w and b.rounds >= MIN_ROUNDS]
+                timed = any(b.rounds >= MIN_ROUNDS for blames in self._blame.values() for b in blames)
+                if not timed:
+                    out[w] = why
+                elif blamed and blamed[0][1].last >= LAST_SHARE * blamed[0][1].rounds:
+                    shard, b = blamed[0]
+                    out[w] = (f"{why}; {b.last} of the last {b.rounds} sync rounds of shard {shard} waited for it "
+                              f"({b.waited_s:.1f}s in all)")
             return out
-        times = {w: t for w, t in step_seconds.items() if w in busy and t > 0}
+        return self._slower(busy, step_seconds, "a step")
+
+    def _slower(self, busy: set[str], seconds: Mapping[str, float], what: str) -> dict[str, str]:
+        """Busy workers whose ``seconds`` are ``factor`` times the median of the other busy workers'."""
+        factor, out = self.policy.factor, {}
+        times = {w: t for w, t in seconds.items() if w in busy and t > 0}
         for w, t in times.items():
             others = [o for v, o in times.items() if v != w]
             if others and t >= factor * statistics.median(others):
-                out[w] = f"{t * 1e3:.0f} ms a step, {t / statistics.median(others):.1f}x the others' median"
+                out[w] = f"{t * 1e3:.0f} ms {what}, {t / statistics.median(others):.1f}x the others' median"
         return out
 
     def observe(self, busy: set[str], step_seconds: Mapping[str, float]) -> list[str]:
@@ -145,6 +164,7 @@ class StragglerDetector:
         self.flagged.pop(worker, None)
         self._streak.pop(worker, None)
         self.evicting.pop(worker, None)
+        self._own.pop(worker, None)
         for shard, blames in self._blame.items():
             self._blame[shard] = [b for b in blames if b.worker != worker]
 

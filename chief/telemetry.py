@@ -199,16 +199,24 @@ class ChiefWatch:
         elif e.kind == "lease_expired":
             role = e.text.split(" ", 1)[0]
             metrics.LEASE_EXPIRATIONS.labels(role).inc()
+            if role == "worker":            # a worker gone without leaving (killed, lost): one alert
+                self._alert(Event("worker_lost", f"{e.text} (its lease ran out or its process is gone); its "
+                                                 f"tasks went back to the queue", 1, e.member))
+                return
         elif e.kind in ("worker_behind", "pushes_refused"):
-            metrics.ALERTS.labels(e.kind).inc()
-            log.warning("alert: %s", e.text)
-            if self._report is not None:
-                from shoal.alerts import Alert
-
-                key = metric_key(Alert(e.kind, e.member, int(e.value), 0.0))
-                self._report(e.member, {key: e.value})
+            self._alert(e)
         if e.kind in ("failover", "lease_expired"):
             log.info("%s", e.text)
+
+    def _alert(self, e: Event) -> None:
+        """One line per incident, counted, and carried to ``shoal status`` and the run summary."""
+        metrics.ALERTS.labels(e.kind).inc()
+        log.warning("alert: %s", e.text)
+        if self._report is not None:
+            from shoal.alerts import Alert
+
+            key = metric_key(Alert(e.kind, e.member, int(e.value), 0.0))
+            self._report(e.member, {key: e.value})
 
     def _tb(self):
         if self._writer is None and self.tensorboard:

@@ -188,20 +188,22 @@ class TaskProgress(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., next_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete", "round_blame")
+    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete", "round_blame", "own_step_seconds")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ROUND_BLAME_FIELD_NUMBER: _ClassVar[int]
+    OWN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     counters: Counters
     progress: _containers.RepeatedCompositeFieldContainer[TaskProgress]
     step_seconds: float
     backups_complete: _containers.RepeatedCompositeFieldContainer[ShardCopy]
     round_blame: _containers.RepeatedCompositeFieldContainer[RoundBlame]
-    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., round_blame: _Optional[_Iterable[_Union[RoundBlame, _Mapping]]] = ...) -> None: ...
+    own_step_seconds: float
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., round_blame: _Optional[_Iterable[_Union[RoundBlame, _Mapping]]] = ..., own_step_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundBlame(_message.Message):
     __slots__ = ("shard", "worker", "rounds", "last", "ratio", "waited_seconds")

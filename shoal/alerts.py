@@ -7,7 +7,9 @@
 - ``grad_spike``: the same for the gradient norm, with ``grad_spike``;
 - ``worker_behind``: a worker the chief flags as a straggler (step time above twice the median);
 - ``pushes_refused``: a shard refusing a worker's pushes that hold NaN/Inf (the chief's
-  ``RefusedPushes``, from the servers' counts).
+  ``RefusedPushes``, from the servers' counts);
+- ``worker_lost``: a worker dropped without leaving (its lease ran out, its process died: the chief's
+  watcher, chief/telemetry.py).
 
 Each is reported once per occurrence: an alert fires on the first anomalous step and
 re-arms when a step is normal again, so a loss that stays high is one alert, not one
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from shoal.errors import InvalidArgument
 
-KINDS = ("loss_spike", "nonfinite_loss", "grad_spike", "worker_behind", "pushes_refused")
+KINDS = ("loss_spike", "nonfinite_loss", "grad_spike", "worker_behind", "pushes_refused", "worker_lost")
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Alert:
     def message(self) -> str:
         what = {"loss_spike": "loss jumped to", "nonfinite_loss": "loss is", "grad_spike": "gradient norm jumped to",
                 "worker_behind": "is behind: step time",
-                "pushes_refused": "pushes refused for NaN/Inf:"}[self.kind]
+                "pushes_refused": "pushes refused for NaN/Inf:", "worker_lost": "lost: dropped without leaving,"}[self.kind]
         limit = f" (limit {self.threshold:.4g})" if self.threshold else ""
         return f"{self.member} step {self.step}: {what} {self.value:.4g}{limit}"
 

@@ -130,6 +130,7 @@ class Trainer(ShardExchange):
         self.accumulation: Any = None    # a DistributedOptimizer's: backward passes not pushed yet (accumulate.py)
         self._progress: dict[int, int] = {}
         self._step_seconds = 0.0
+        self._own_seconds = 0.0        # outside step(): what a sync round waits on (chief/stragglers.py)
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
         self._closed = False
@@ -340,8 +341,9 @@ class Trainer(ShardExchange):
             self.counters.steps += 1
             self.counters.samples += samples
             if self._last_step_end:
-                period = now - self._last_step_end
+                period, own = now - self._last_step_end, max(0.0, t0 - self._last_step_end)
                 self._step_seconds = period if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * period
+                self._own_seconds = own if not self._own_seconds else 0.8 * self._own_seconds + 0.2 * own
             self._last_step_end = now
         after_step(self, t0, samples, loss, versions, by_shard, self._bytes_at_step)
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
@@ -440,6 +442,7 @@ class Trainer(ShardExchange):
             for task_id, next_start in self._progress.items():
                 req.progress.add(task_id=task_id, next_start=min(next_start, holds.get(task_id, next_start)))
             req.step_seconds = self._step_seconds
+            req.own_step_seconds = self._own_seconds
 
     def _send_metrics(self, values: dict[str, float]) -> None:
         self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id, values=values), timeout=2)
