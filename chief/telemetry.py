@@ -48,6 +48,9 @@ class Snapshot:
     checkpoints: int
     checkpoint_step: int
     stragglers: dict[str, tuple[bool, int, float]] = field(default_factory=dict)
+    checkpoints_failed: int = 0                # attempts that failed since the chief started
+    job_phase: str = "running"                 # chief/lifecycle.py
+    job_exit_code: int = 0
 
 
 def snapshot(state, wall: float) -> Snapshot:
@@ -69,7 +72,9 @@ def snapshot(state, wall: float) -> Snapshot:
         checkpoints=ckpt.written if ckpt is not None else 0,
         checkpoint_step=ckpt.last_step if ckpt is not None else 0,
         stragglers={m.member_id: (m.member_id in slow, m.counters.steps, state.step_seconds.get(m.member_id, 0.0))
-                    for m in workers})
+                    for m in workers},
+        checkpoints_failed=ckpt.failed if ckpt is not None else 0, job_phase=state.lifecycle.phase.value,
+        job_exit_code=state.lifecycle.ending.exit_code if state.lifecycle.ending is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -272,8 +277,17 @@ class ChiefWatch:
                             values=s.checkpoint_step)
         yield metrics.gauge("shoal_shard_version", "Version (updates applied) of each shard's primary",
                             ["shard"], [([str(k)], v) for k, v in sorted(self.versions.items())])
+        yield metrics.gauge("shoal_checkpoints_failed", "Checkpoint attempts that failed since the chief started",
+                            values=s.checkpoints_failed)
+        yield metrics.gauge("shoal_stragglers", "Workers flagged as stragglers now (chief/stragglers.py)",
+                            values=sum(1 for flagged, _, _ in s.stragglers.values() if flagged))
+        yield metrics.gauge("shoal_job_phase", "The job's phase (1 for the current one: running, finished, "
+                            "closing)", ["phase"], [([p], float(p == s.job_phase))
+                                                    for p in ("running", "finished", "closing")])
+        yield metrics.gauge("shoal_job_exit_code", "What the chief and its servers exit with once the job "
+                            "ended (0: succeeded)", values=s.job_exit_code)
         desired = self._desired_workers() if self._desired_workers is not None else None
-        if desired is not None:      # what a HorizontalPodAutoscaler follows (shoal k8s)
+        if desired is not None:      # what shoal local --autoscale, or whatever sets the worker Job's parallelism, follows
             yield metrics.gauge("shoal_autoscale_desired_workers",
                                 "Workers the job file's autoscaling policy asks for now", values=desired)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from shoal.cli import alert_rules
 from shoal.cli.compose import DATA_PORT, PORT, Dumper, role_args
 from shoal.jobfile import JobFile, dump, load_job
 
@@ -221,6 +222,9 @@ def cmd_k8s(args: argparse.Namespace) -> int:
             path = out / ("shoal.yaml" if variant == "native" else "tfjob.yaml")
             path.write_text(render(make(job), job, variant))
             print(f"wrote {path}", file=sys.stderr)
+        path = out / "prometheus-rule.yaml"      # the alerting rules, for the Prometheus Operator
+        path.write_text(alert_rules.render(alert_rules.prometheus_rule(job.get("name", "shoal")), "k8s"))
+        print(f"wrote {path}", file=sys.stderr)
     else:
         variant = "tfjob" if args.tfjob else "native"
         sys.stdout.write(render(variants[variant](job), job, variant))
@@ -231,7 +235,7 @@ def add_command(sub: Any, commands: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("k8s", help="write Kubernetes manifests for a job file")
     p.add_argument("job_file", help="the job file (YAML)")
     p.add_argument("--tfjob", action="store_true", help="a Kubeflow TFJob instead of Deployments/StatefulSet")
-    p.add_argument("-o", "--out", help="a folder: write shoal.yaml (native) and tfjob.yaml there "
+    p.add_argument("-o", "--out", help="a folder: write shoal.yaml (native), tfjob.yaml and prometheus-rule.yaml there "
                                        "(default: the chosen variant to standard output)")
     p.set_defaults(func=cmd_k8s)
     commands["k8s"] = p

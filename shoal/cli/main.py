@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from shoal.config import MODES, NONFINITE, RECOVERY, JobConfig, from_sources
-from shoal.cli import compose, k8s
+from shoal.cli import alert_rules, compose, k8s
 from shoal.cli.sources import (add_commands as add_source_commands, apply_sources, autoscale_policy,
                                export_job_file, straggler_policy)
 from shoal.jobfile import load_job
@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
     add_source_commands(sub, commands)
-    for module in (compose, k8s):        # deployment generators
+    for module in (compose, k8s, alert_rules):        # deployment generators
         module.add_command(sub, commands)
     return parser
 

@@ -150,7 +150,7 @@ def test_the_tfjob_variant_has_the_operators_shape(job):
 
 def test_the_generators_write_files_and_reject_a_bad_job(tmp_path, capsys):
     assert main(["k8s", str(EXAMPLE), "-o", str(tmp_path / "k8s")]) == 0
-    assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == ["shoal.yaml", "tfjob.yaml"]
+    assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == ["prometheus-rule.yaml", "shoal.yaml", "tfjob.yaml"]
     assert main(["compose", str(EXAMPLE), "-o", str(tmp_path / "dc.yml")]) == 0
     assert yaml.safe_load((tmp_path / "dc.yml").read_text())["services"]["chief"]["volumes"][0].endswith(
         "examples/job.yaml:/job/job.yaml:ro")
@@ -180,3 +180,44 @@ def test_shoal_health_follows_the_health_service(capsys):
     assert main(["health", address, "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err
+
+
+def test_the_alert_rules_are_current_and_pass_promtool(tmp_path):
+    from shoal.cli import alert_rules
+
+    assert (ROOT / "deploy" / "prometheus" / "shoal-rules.yml").read_text() == \
+        alert_rules.render(alert_rules.rule_file(), "rules")
+    shipped = yaml.safe_load((ROOT / "deploy" / "k8s" / "prometheus-rule.yaml").read_text())
+    assert shipped["kind"] == "PrometheusRule" and shipped["spec"] == alert_rules.rule_file()
+    names = {r["alert"] for r in alert_rules.rules()}
+    assert {"ShoalWorkerLost", "ShoalJobStalled", "ShoalCheckpointFailing", "ShoalNonFiniteGradients",
+            "ShoalLossSpike", "ShoalJobFailed"} <= names
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    rules = tmp_path / "rules.yml"
+    rules.write_text(alert_rules.render(alert_rules.rule_file(), "rules"))
+    out = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "SUCCESS: 8 rules found" in out.stdout, out.stdout + out.stderr
+    # the rules fire on what the roles export: a lost worker, a job whose shards stopped moving; not on a clean one
+    notes = {r["alert"]: {k: v.replace("{{ $labels.instance }}", "chief") for k, v in r["annotations"].items()}
+             for r in alert_rules.rules()}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump({
+        "rule_files": [str(rules)], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": [
+            {"series": 'shoal_alerts_total{kind="worker_lost",instance="chief"}', "values": "0 0 1 1 1 1 1 1"},
+            {"series": 'shoal_shard_version{shard="0",instance="chief"}', "values": "1 2 3 4 4 4 4 4 4 4 4 4"},
+            {"series": 'shoal_live_workers{instance="chief"}', "values": "2x12"},
+            {"series": 'shoal_job_phase{phase="running",instance="chief"}', "values": "1x12"},
+            {"series": 'shoal_job_exit_code{instance="chief"}', "values": "0x12"}],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": "ShoalWorkerLost", "exp_alerts": []},
+                {"eval_time": "3m", "alertname": "ShoalWorkerLost", "exp_alerts": [{"exp_labels": {
+                    "severity": "warning", "kind": "worker_lost", "instance": "chief"},
+                    "exp_annotations": notes["ShoalWorkerLost"]}]},
+                {"eval_time": "4m", "alertname": "ShoalJobStalled", "exp_alerts": []},
+                {"eval_time": "9m", "alertname": "ShoalJobStalled", "exp_alerts": [{"exp_labels": {
+                    "severity": "critical", "instance": "chief"}, "exp_annotations": notes["ShoalJobStalled"]}]},
+                {"eval_time": "9m", "alertname": "ShoalJobFailed", "exp_alerts": []}]}]}))
+    out = subprocess.run(["promtool", "test", "rules", str(tmp_path / "test.yml")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
