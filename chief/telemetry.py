@@ -21,7 +21,7 @@ from typing import Callable
 import grpc
 
 from shoal import metrics
-from shoal.alerts import BehindDetector, metric_key
+from shoal.alerts import BehindDetector, count_key, metric_key
 from shoal.members import MemberState, Role
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -159,6 +159,7 @@ class ChiefWatch:
         self.latest: Snapshot | None = None
         self.versions: dict[int, int] = {}
         self.refused = RefusedPushes()
+        self._raised: dict[tuple[str, str], int] = {}     # alert lines printed, per kind and member
         self._report = report
         self._pauses = pauses
         self._desired_workers = desired_workers      # the autoscaler's count (None: no autoscaling)
@@ -217,11 +218,12 @@ class ChiefWatch:
         """One line per incident, counted, and carried to ``shoal status`` and the run summary."""
         metrics.ALERTS.labels(e.kind).inc()
         log.warning("alert: %s", e.text)
+        self._raised[(e.kind, e.member)] = self._raised.get((e.kind, e.member), 0) + 1
         if self._report is not None:
             from shoal.alerts import Alert
 
-            key = metric_key(Alert(e.kind, e.member, int(e.value), 0.0))
-            self._report(e.member, {key: e.value})
+            alert = Alert(e.kind, e.member, int(e.value), 0.0)
+            self._report(e.member, {metric_key(alert): e.value, count_key(alert): self._raised[(e.kind, e.member)]})
 
     def _tb(self):
         if self._writer is None and self.tensorboard:

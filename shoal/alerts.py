@@ -154,3 +154,16 @@ class BehindDetector:
 def metric_key(alert: Alert) -> str:
     """The chief's job-metrics key that carries an alert to ``shoal status`` and the run summary."""
     return f"alert/{alert.kind}/{alert.member}"
+
+
+def count_key(alert: Alert) -> str:
+    """The job-metrics key that carries how many alerts of this kind the member raised (lines it printed)."""
+    return f"alert_count/{alert.kind}/{alert.member}"
+
+
+def count_lines(job_metrics: dict) -> int:
+    """How many alert lines the job's members printed: the sum of their counts (one ``alert/`` key per
+    member and kind when a member reports no count)."""
+    counted = {k.split("/", 1)[1] for k in job_metrics if k.startswith("alert_count/")}
+    return int(sum(v for k, v in job_metrics.items() if k.startswith("alert_count/"))
+               + sum(1 for k in job_metrics if k.startswith("alert/") and k.split("/", 1)[1] not in counted))

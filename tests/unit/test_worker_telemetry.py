@@ -57,7 +57,7 @@ def test_alerts_and_the_mean_loss_reach_the_chief_once():
     wait_until(lambda: len(tel.raised) == 1, timeout_s=10, what="the loss spike alert")
     tel.close()
     assert [(a.kind, a.member, a.step) for a in tel.raised] == [("loss_spike", "worker-3", 8)]
-    assert {"alert/loss_spike/worker-3": 8.0} in sent
+    assert {"alert/loss_spike/worker-3": 8.0, "alert_count/loss_spike/worker-3": 1.0} in sent
     assert [v["train_loss"] for v in sent if "train_loss" in v] == [(10 * 1.0 + 2 * 50.0) / 12]
 
 
