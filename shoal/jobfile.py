@@ -145,7 +145,8 @@ def _coerce(path: str, key: Key, value: Any, source: str) -> Any:
     """The value as ``key.kind``, or InvalidArgument naming ``path``, the value and what is allowed."""
     def bad(reason: str = "") -> InvalidArgument:
         what = f"{_KIND_WORDS.get(key.kind, '')} {key.allowed}".strip()
-        return InvalidArgument(f"{source}{path}: {value!r} is {reason or 'not allowed'}; allowed: {what}")
+        where = f"{source}{path})" if source.startswith("$") else f"{source}{path}"
+        return InvalidArgument(f"{where}: {value!r} is {reason or 'not allowed'}; allowed: {what}")
 
     out: Any = value
     if key.kind == "int":
@@ -288,11 +289,14 @@ def parse_job(data: Any, *, source: str = "", env: Mapping[str, str] | None = No
                if k.startswith("optimizer.") and k != "optimizer.name"}
     resources = _resources({k.split(".", 1)[1]: flat.pop(k) for k in list(flat) if k.startswith("resources.")},
                            source)
+    from_env: dict[str, str] = {}         # key path -> the SHOAL_* variable that set it: blamed, not the file
     for path_, key in KEYS.items():
         name = key.env_name()
         if env is not None and name and env.get(name) is not None:
             flat[path_] = env[name]
-    values = {p: _coerce(p, KEYS[p], v, source) for p, v in flat.items()}
+            from_env[path_] = name
+    values = {p: _coerce(p, KEYS[p], v, f"${from_env[p]} (overriding the job file's " if p in from_env else source)
+              for p, v in flat.items()}
     _check_together(values, source)
     optimizer = None
     if "optimizer.name" in values or hparams:

@@ -325,6 +325,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_number(name: str, fallback: float, kind: type) -> float:
+    """A flag's default from ``$name``; a value that is not a number is one line naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return fallback
+    try:
+        return kind(raw)
+    except ValueError:
+        print(f"shoal: error: ${name}: {raw!r} is not {'an integer' if kind is int else 'a number'}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Elastic parameter servers for PyTorch.")
     parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "info"))
@@ -335,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
                    help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
     security.add_token_arg(p)
-    p.add_argument("--num-shards", type=int, default=int(os.environ.get("SHOAL_NUM_SHARDS", "1")),
+    p.add_argument("--num-shards", type=int, default=_env_number("SHOAL_NUM_SHARDS", 1, int),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--config", help=_CONFIG_HELP)
@@ -383,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the raw TCP data channel on the bind host (default 0: any free port)")
     p.add_argument("--no-data-channel", action="store_true",
                    help="offer no TCP data channel: workers push and pull over gRPC")
-    p.add_argument("--chief-timeout", type=float, default=float(os.environ.get("SHOAL_CHIEF_TIMEOUT", "300")),
+    p.add_argument("--chief-timeout", type=float, default=_env_number("SHOAL_CHIEF_TIMEOUT", 300.0, float),
                    help="give up (exit 69) after this many seconds without reaching the chief (default 300)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     observe.add_args(p, tensorboard=False)

@@ -154,3 +154,16 @@ def test_a_launcher_names_the_job_file_for_the_script(tmp_path, monkeypatch):
     export_job_file(parser.parse_args(["worker", "--chief", "h:1", "--config", "rel/job.yaml", "t.py"]))
     import os
     assert os.environ["SHOAL_JOB_FILE"] == os.path.abspath("rel/job.yaml")
+
+
+def test_a_bad_shoal_variable_is_blamed_by_name_not_on_the_file(tmp_path, capsys, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: {lease_seconds: 3}\n")
+    with pytest.raises(InvalidArgument, match=r"^\$SHOAL_LEASE_SECONDS \(overriding the job file's "
+                                              r"cluster.lease_seconds\): 'abc' is not a number"):
+        load_job(job, env={"SHOAL_LEASE_SECONDS": "abc"})
+    monkeypatch.setenv("SHOAL_NUM_SHARDS", "x")
+    with pytest.raises(SystemExit) as exited:
+        main(["chief"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == "shoal: error: $SHOAL_NUM_SHARDS: 'x' is not an integer"
