@@ -7,9 +7,9 @@ worker sleeping ``--delay`` a step (the slow one ``--slowdown`` times that):
 - ``flag``, ``backup``, ``evict``: the 3 workers, ``straggler_detection: {factor: 2, action: ...}``.
 
 Two rates a case: ``updates_per_s``, shard 0's version over the whole budget (start-up and the time to
-find the straggler included), and ``settled_rounds_per_s``, the rounds a second over the last
-``--window`` seconds of training (the fastest worker's steps there: a sync round is one step of each
-worker it waits for), once the action has taken effect. Prints one JSON object per case, then the
+find the straggler included), and ``settled_rounds_per_s``, the rounds a second over the later part of
+training (from half-way to 90% of the span between the first step and the last; the fastest worker's
+steps there: a sync round is one step of each worker it waits for), once the action has taken effect. Prints one JSON object per case, then the
 ratios of each action's settled rate to ``without``'s.
 
     .venv/bin/python bench/stragglers.py [--budget 20] [--delay 0.1] [--mode sync]
@@ -26,13 +26,19 @@ import yaml
 from _local import run_local
 
 
-def settled_rate(logs: Path, window: float) -> float:
-    """The fastest worker's steps a second over the last ``window`` seconds before the last step of any."""
+def settled_rate(logs: Path, share: float) -> float:
+    """The fastest worker's steps a second over the training's later part: from ``1 - share`` of the way
+    between the first step and the last of any worker to 90% of it (the action has taken effect; the
+    workers have not begun to stop at their budget)."""
     times = {}
     for f in logs.glob("*.log"):
         times[f.name] = [float(line) for line in f.read_text().splitlines() if line and not line.startswith("#")]
-    end = max((t[-1] for t in times.values() if t), default=0.0)
-    return max((sum(1 for x in t if end - window <= x <= end) / window for t in times.values()), default=0.0)
+    starts, ends = [t[0] for t in times.values() if t], [t[-1] for t in times.values() if t]
+    if not starts:
+        return 0.0
+    first, last = min(starts), max(ends)
+    lo, hi = first + (1 - share) * (last - first), first + 0.9 * (last - first)
+    return max(sum(1 for x in t if lo <= x <= hi) for t in times.values()) / (hi - lo)
 
 
 def main() -> None:
@@ -42,7 +48,8 @@ def main() -> None:
     p.add_argument("--slowdown", type=float, default=3.0, help="the straggler's step time, as a multiple")
     p.add_argument("--mode", default="sync", choices=("sync", "async", "ssp"))
     p.add_argument("--cases", nargs="+", default=["without", "flag", "backup", "evict"])
-    p.add_argument("--window", type=float, default=10.0, help="seconds at the end of training the settled rate covers")
+    p.add_argument("--share", type=float, default=0.5,
+                   help="the settled rate covers from (1 - share) to 0.9 of the training's span")
     args = p.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="shoal-stragglers-") as tmp:
@@ -62,7 +69,7 @@ def main() -> None:
             updates = s["shard_versions"]["0"]
             row = {"case": case, "mode": args.mode, "budget_s": args.budget, "updates": updates,
                    "updates_per_s": round(updates / args.budget, 2),
-                   "settled_rounds_per_s": round(settled_rate(logs, args.window), 2), "worker_steps": s["steps"],
+                   "settled_rounds_per_s": round(settled_rate(logs, args.share), 2), "worker_steps": s["steps"],
                    "test_accuracy": round(s["test_accuracy"], 4)}
             results[case] = row
             print(json.dumps(row), flush=True)

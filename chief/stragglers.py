@@ -6,9 +6,9 @@ the stragglers and what to do with them; the clock is injected.
 - **sync**: every worker's step takes as long as the round, so step times say nothing. What a round
   waits on is each worker's own time a step (outside ``trainer.step()``: data, forward, backward),
   which workers report: a worker is a straggler when its own time is ``factor`` times the median of
-  the others'. The servers also time their rounds (ps/round_timing.py): once they have timed
-  ``MIN_ROUNDS``, a straggler must also have been the last to push in at least ``LAST_SHARE`` of them
-  (and the line says how long they waited for it). Round timing alone would not do: with pushes
+  the others' and the servers, timing their rounds (ps/round_timing.py), found it the last to push
+  in at least ``LAST_SHARE`` of the ``MIN_ROUNDS`` or more they timed (the line says how long they
+  waited for it). Nobody is judged before the rounds were timed: a worker's first steps are slow. Round timing alone would not do: with pushes
   overlapping backward, equally fast workers settle into a fixed order, one always last.
 - **async / ssp**: a worker is a straggler when its mean step time is ``factor`` times the median of
   the *other* workers' (with two workers: the other one's), so any number of workers works.
@@ -104,10 +104,7 @@ class StragglerDetector:
             for w, why in self._slower(busy, self._own, "own time").items():
                 blamed = [(shard, b) for shard, blames in sorted(self._blame.items()) for b in blames
                           if b.worker == w and b.rounds >= MIN_ROUNDS]
-                timed = any(b.rounds >= MIN_ROUNDS for blames in self._blame.values() for b in blames)
-                if not timed:
-                    out[w] = why
-                elif blamed and blamed[0][1].last >= LAST_SHARE * blamed[0][1].rounds:
+                if blamed and blamed[0][1].last >= LAST_SHARE * blamed[0][1].rounds:
                     shard, b = blamed[0]
                     out[w] = (f"{why}; {b.last} of the last {b.rounds} sync rounds of shard {shard} waited for it "
                               f"({b.waited_s:.1f}s in all)")

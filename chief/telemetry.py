@@ -165,6 +165,7 @@ class ChiefWatch:
         self._desired_workers = desired_workers      # the autoscaler's count (None: no autoscaling)
         self._writer = None
         self._polls = 0
+        self._step = 0
         self._versions_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chief-telemetry", daemon=True)
@@ -242,7 +243,10 @@ class ChiefWatch:
         if w is None:
             return
         self._polls += 1
-        step, t = self._polls, s.wall       # one step per poll (about a second); walltime is exact
+        # the job's applied updates (the shards' newest version), the workers' x-axis too, so runs overlay;
+        # the poll count until a shard has been read
+        self._step = max(self._step, max(self.versions.values(), default=0), self._polls if not self.versions else 0)
+        step, t = self._step, s.wall
         w.add_scalar("cluster/live_workers", s.live_workers, step, walltime=t)
         w.add_scalar("cluster/live_ps", s.live_ps, step, walltime=t)
         w.add_scalar("cluster/view_epoch", s.view_epoch, step, walltime=t)

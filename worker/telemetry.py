@@ -49,6 +49,8 @@ class StepRecord:
     bytes_pulled: int = 0
     raw_bytes: int = 0                   # the fp32 gradient this step pushed, before compression
     staleness: int = 0
+    job_step: int = 0                    # the job's applied updates after this step (the shards' newest version):
+                                         # every worker's and the chief's TensorBoard x-axis, so runs overlay
 
 
 def _value(x: Any) -> float | None:
@@ -175,7 +177,7 @@ class WorkerTelemetry:
         step_s = sum(r.phases.values())
         w = self._tb()
         if w is not None:
-            t, s = r.wall, r.step
+            t, s = r.wall, r.job_step or r.step
             if loss is not None:
                 w.add_scalar("train/loss", loss, s, walltime=t)
             if norm is not None:
@@ -322,4 +324,5 @@ def after_step(trainer, started: float, samples: int, loss: Any, versions: dict[
         step=trainer.step_count, wall=time.time(), samples=samples, loss=loss,
         grad_norm=norm, phases=phases,
         bytes_pushed=pushed, bytes_pulled=pulled, raw_bytes=4 * trainer.layout.numel if pushed else 0,
-        staleness=max(0, max(stale, default=0))))
+        staleness=max(0, max(stale, default=0)),
+        job_step=max((r.version for r in replies.values() if getattr(r, "version", 0)), default=0)))

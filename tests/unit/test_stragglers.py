@@ -140,3 +140,16 @@ def test_a_bad_policy_is_one_line():
         StragglerPolicy(factor=1.0)
     with pytest.raises(InvalidArgument, match="'kill' is not one of flag, backup, evict"):
         StragglerPolicy(action="kill")
+
+
+def test_sync_judges_nobody_before_the_servers_timed_enough_rounds():
+    d = StragglerDetector(StragglerPolicy(factor=2.0), sync=True)
+    d.own_time("w0", 0.1)
+    d.own_time("w1", 0.8)            # its first steps: slow for reasons of their own
+    for _ in range(HOLD + 2):
+        d.observe({"w0", "w1"}, {})
+    assert d.stragglers() == set()
+    d.rounds(blame_of(timed_rounds({"w0": 0.1, "w1": 0.8}, rounds=MIN_ROUNDS)))
+    for _ in range(HOLD):
+        d.observe({"w0", "w1"}, {})
+    assert d.stragglers() == {"w1"}
