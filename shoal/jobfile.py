@@ -1,7 +1,8 @@
 """The job file: one YAML document that describes a whole job, for every role and every generator.
 
 Nested sections (``train``, ``optimizer``, ``compression``, ``cluster``, ``checkpointing``, ``recovery``,
-``autoscaling``, ``straggler_detection``, ``resources``, ``image``, and per-role ``chief``/``ps``/``local``)
+``autoscaling``, ``straggler_detection``, ``logging``, ``alerts``, ``resources``, ``image``, and per-role
+``chief``/``ps``/``local``)
 map onto the command-line settings (:data:`KEYS`: key path -> the flags' ``dest``, and the
 ``SHOAL_*`` variable that overrides it). Precedence, lowest first: the file, ``SHOAL_*``
 variables, flags. Every value is checked here, so a bad one is one line naming its key path, the
@@ -113,6 +114,13 @@ KEYS: dict[str, Key] = {
     "autoscaling.scale_out_after": Key("duration", "a time like 5s or 1m", lambda v: v >= 0),
     "straggler_detection.factor": Key("float", "> 1", lambda v: v > 1),
     "straggler_detection.action": Key("str", *_choice("flag", "backup", "evict")),
+    # read by every role itself (shoal/cli/observe.py: flags and SHOAL_* variables win over them)
+    "logging.tensorboard": Key("str", "a directory path"),
+    "alerts.loss_spike": Key("float", "above 1 (a factor; 0: off)", lambda v: v == 0 or v > 1),
+    "alerts.grad_spike": Key("float", "above 1 (a factor; 0: off)", lambda v: v == 0 or v > 1),
+    "alerts.window": Key("int", *_at_least(3)),
+    "alerts.warmup": Key("int", *_at_least(0)),
+    "alerts.deviations": Key("float", *_at_least(0)),
     "name": Key("str", "a DNS label: lower-case letters, digits and '-', at most 40 characters",
                 lambda v: bool(re.match(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$", v))),
     "image": Key("str", "a container image reference like shoal:latest", lambda v: bool(_IMAGE.match(v))),
