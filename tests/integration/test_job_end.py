@@ -64,3 +64,15 @@ def test_shoal_worker_against_a_finished_job_exits_0_with_one_line(cluster_facto
     assert done.returncode == 0, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and JOB_FINISHED in lines[0], done.stderr
+
+
+def test_shoal_status_piped_into_head_stops_quietly(cluster_factory):
+    import subprocess
+    import sys
+
+    c = cluster_factory(num_ps=1, mode="async")
+    # the reader closes the pipe after one line: no BrokenPipeError traceback, exit 0
+    r = subprocess.run(f"'{sys.executable}' -m shoal.cli status --chief {c.chief_address} | head -c 1 >/dev/null; "
+                       f"exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
