@@ -76,3 +76,4 @@ def test_shoal_status_piped_into_head_stops_quietly(cluster_factory):
                        f"exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
