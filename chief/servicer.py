@@ -102,8 +102,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             gone = self.state.tick()
             for line in self.state.step_lifecycle(self.final_checkpoint()):
                 (log.info if self.state.lifecycle.ending.ok else log.error)(line)
-            for line in self.state.watch_stragglers():
-                log.warning(line)
+            for level, line in self.state.watch_stragglers():
+                log.log(level, line)
             if self.autoscaler is not None:
                 self._autoscale()
             if self.state.epoch != before:

@@ -15,7 +15,7 @@ from shoal import tokens
 from shoal.chief import placement
 from shoal.chief.lifecycle import Ending, FinalCheckpoint, JobLifecycle, Observed, Phase
 from shoal.chief.membership import Membership
-from shoal.chief.stragglers import RoundBlame, StragglerDetector, StragglerPolicy
+from shoal.chief.stragglers import MIN_STEPS, RoundBlame, StragglerDetector, StragglerPolicy
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
 from shoal.errors import JOB_FINISHED, FailedPrecondition, InvalidArgument, NotFound
@@ -190,12 +190,13 @@ class ChiefState:
         """A server's heartbeat: which workers its primaries' sync rounds waited for."""
         self.straggling.rounds(b for b in blame if self.routing.get(b.shard) == member_id)
 
-    def watch_stragglers(self) -> list[str]:
-        """One straggler observation (the ticker); the lines to log. A change in who the sync rounds
+    def watch_stragglers(self) -> list[tuple[int, str]]:
+        """One straggler observation (the ticker); the lines to log with their levels. A change in who the sync rounds
         close without bumps the epoch: the servers follow it in the view."""
         busy = self._busy_workers()
         before = (self.straggling.stragglers(), self.straggling.excluded(busy))
-        lines = self.straggling.observe(busy, self.step_seconds)
+        judged = {w for w in busy if (m := self.members.find(w)) is not None and m.counters.steps >= MIN_STEPS}
+        lines = self.straggling.observe(judged, self.step_seconds)
         if (self.straggling.stragglers(), self.straggling.excluded(busy)) != before:
             self._changed("stragglers: " + (", ".join(sorted(self.straggling.stragglers())) or "none"))
         return lines

@@ -13,8 +13,9 @@ the stragglers and what to do with them; the clock is injected.
 - **async / ssp**: a worker is a straggler when its mean step time is ``factor`` times the median of
   the *other* workers' (with two workers: the other one's), so any number of workers works.
 
-A worker found a straggler ``HOLD`` observations in a row is flagged (one line), and acted on
-according to ``action``:
+Only workers with ``MIN_STEPS`` steps are judged. A worker found a straggler ``HOLD`` observations
+in a row is flagged (one line), cleared after ``HOLD`` observations in a row that find it not slow,
+and acted on according to ``action``:
 
 - ``flag``: shown in ``shoal status`` and the view; nothing else.
 - ``backup``: sync rounds close without it (the servers leave it out of the workers a round waits
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 ACTIONS = ("flag", "backup", "evict")
 LAST_SHARE = 0.5      # sync: the share of recent rounds that waited for it last
 MIN_ROUNDS = 8        # sync: rounds timed before anyone is judged
-HOLD = 2              # observations in a row before a worker is flagged
+HOLD = 5              # observations in a row (ticks of the chief) before a flag is raised, or cleared
+MIN_STEPS = 20        # a worker is judged only after this many steps: the first ones are slow for reasons of their own
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class StragglerDetector:
         self._blame: dict[int, list[RoundBlame]] = {}   # shard -> its primary's latest blame
         self.evicting: dict[str, str] = {}       # worker -> why, until it leaves
         self._own: dict[str, float] = {}         # worker -> its own time a step (sync)
+        self._calm: dict[str, int] = {}          # flagged worker -> observations in a row it was not slow
 
     # ------------------------------------------------------------ input
 
@@ -121,24 +124,31 @@ class StragglerDetector:
                 out[w] = f"{t * 1e3:.0f} ms {what}, {t / statistics.median(others):.1f}x the others' median"
         return out
 
-    def observe(self, busy: set[str], step_seconds: Mapping[str, float]) -> list[str]:
-        """One observation (the chief's ticker); returns the lines to log (a flag raised or cleared)."""
+    def observe(self, busy: set[str], step_seconds: Mapping[str, float]) -> list[tuple[int, str]]:
+        """One observation (the chief's ticker); returns the lines to log with their levels: a flag raised
+        or an eviction (warnings), a flag cleared (info)."""
         slow = self._slow_now(busy, step_seconds)
-        lines = []
+        lines: list[tuple[int, str]] = []
         for w in list(self._streak):
             if w not in slow:
                 del self._streak[w]
         for w, why in slow.items():
             self._streak[w] = self._streak.get(w, 0) + 1
+            self._calm.pop(w, None)
             if self._streak[w] >= HOLD and w not in self.flagged:
                 self.flagged[w] = why
-                lines.append(f"straggler {w}: {why}; action {self.policy.action}")
-        for w in [w for w in self.flagged if w not in busy or (w not in slow and w not in self._excluded_now())]:
-            del self.flagged[w]
-            if w in busy:
-                lines.append(f"straggler {w} is no longer slow")
+                lines.append((logging.WARNING, f"straggler {w}: {why}; action {self.policy.action}"))
+        for w in list(self.flagged):
+            if w in busy and (w in slow or w in self._excluded_now()):
+                continue
+            self._calm[w] = self._calm.get(w, 0) + 1
+            if w not in busy or self._calm[w] >= HOLD:      # fast again for as long as it took to flag it
+                del self.flagged[w]
+                self._calm.pop(w, None)
+                if w in busy:
+                    lines.append((logging.INFO, f"straggler {w} is no longer slow"))
         if self.policy.action == "evict":
-            lines += self._evict(busy)
+            lines += [(logging.WARNING, line) for line in self._evict(busy)]
         return lines
 
     def _excluded_now(self) -> set[str]:
@@ -162,6 +172,7 @@ class StragglerDetector:
         self._streak.pop(worker, None)
         self.evicting.pop(worker, None)
         self._own.pop(worker, None)
+        self._calm.pop(worker, None)
         for shard, blames in self._blame.items():
             self._blame[shard] = [b for b in blames if b.worker != worker]
 
