@@ -51,6 +51,7 @@ class Snapshot:
     checkpoints_failed: int = 0                # attempts that failed since the chief started
     job_phase: str = "running"                 # chief/lifecycle.py
     job_exit_code: int = 0
+    loss: tuple[str, float] | None = None       # the latest worker's report of its mean loss: (member, value)
 
 
 def snapshot(state, wall: float) -> Snapshot:
@@ -74,7 +75,9 @@ def snapshot(state, wall: float) -> Snapshot:
         stragglers={m.member_id: (m.member_id in slow, m.counters.steps, state.step_seconds.get(m.member_id, 0.0))
                     for m in workers},
         checkpoints_failed=ckpt.failed if ckpt is not None else 0, job_phase=state.lifecycle.phase.value,
-        job_exit_code=state.lifecycle.ending.exit_code if state.lifecycle.ending is not None else 0)
+        job_exit_code=state.lifecycle.ending.exit_code if state.lifecycle.ending is not None else 0,
+        loss=(state.metric_sources.get("train_loss", ""), state.metrics["train_loss"])
+        if "train_loss" in state.metrics else None)
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class ChiefWatch:
         self.versions: dict[int, int] = {}
         self.refused = RefusedPushes()
         self._raised: dict[tuple[str, str], int] = {}     # alert lines printed, per kind and member
+        self._losses: dict[str, float] = {}     # each live worker's latest mean loss: the job's is their mean
         self._report = report
         self._pauses = pauses
         self._desired_workers = desired_workers      # the autoscaler's count (None: no autoscaling)
@@ -258,6 +262,11 @@ class ChiefWatch:
         w.add_scalar("progress/samples", s.samples, step, walltime=t)
         for k, v in self.versions.items():
             w.add_scalar(f"shards/version_{k}", v, step, walltime=t)
+        if s.loss is not None and s.loss[0] in s.stragglers:       # stragglers: every live worker, by id
+            self._losses[s.loss[0]] = s.loss[1]
+        self._losses = {m: v for m, v in self._losses.items() if m in s.stragglers}
+        if self._losses:
+            w.add_scalar("train/loss", sum(self._losses.values()) / len(self._losses), step, walltime=t)
         for e in events:
             if e.kind == "checkpoint":
                 w.add_scalar("events/checkpoint_step", e.value, step, walltime=t)

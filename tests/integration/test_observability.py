@@ -122,7 +122,7 @@ def test_scrape_a_running_cluster_and_read_its_event_files(observed, tmp_path):
     assert len(loss) == steps and loss[-1] < loss[0] / 2      # the values move: training made progress
     chief = scalars(tmp_path / "tb" / "chief")
     for tag in ("cluster/live_workers", "tasks/queue_depth", "progress/epochs", "shards/version_0",
-                "shards/version_1", "cluster/view_epoch"):
+                "shards/version_1", "cluster/view_epoch", "train/loss"):
         assert tag in chief, (tag, sorted(chief))
     assert max(chief["cluster/live_workers"]) == 1
     assert chief["shards/version_0"][-1] > chief["shards/version_0"][0]
