@@ -7,11 +7,14 @@ Targets:
 - ``step_rate``: enough workers to reach ``step_rate`` steps a second for the whole job, at the rate
   one worker managed over the last window.
 
-Bounded by ``min_workers``/``max_workers``. Hysteresis: a higher count is taken at once (work is
-waiting), a lower one only after it has been asked for without a break for ``cooldown_s`` (a worker
-started costs its start-up; flapping costs it twice). The published count is what a Kubernetes
-HorizontalPodAutoscaler (custom metric ``shoal_autoscale_desired_workers``) or ``shoal local
---autoscale`` follows.
+Bounded by ``min_workers``/``max_workers``. No decision before the job has data (the first worker
+describes it): the count is not published until then. Hysteresis: the load must ask for more
+without a break for ``scale_out_after_s`` before the count rises, and for fewer for ``cooldown_s``
+before it falls (a worker started costs its start-up; flapping costs it twice); the count taken is
+what the load asks for at that moment. Once every task is done the count falls to ``min_workers``
+at once. Each change is a :class:`Decision` with its reason (logged by the chief, kept for ``shoal
+status``). The published count is what ``shoal local --autoscale``, or whatever sets the workers'
+Job parallelism on Kubernetes, follows (``shoal_autoscale_desired_workers``).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ class AutoscalePolicy:
     target: str = "queue"
     tasks_per_worker: float = 4.0
     step_rate: float = 0.0            # steps a second for the whole job (target step_rate)
-    cooldown_s: float = 30.0
+    cooldown_s: float = 30.0          # scale in only after the load asked for fewer this long
+    scale_out_after_s: float = 5.0    # scale out only after the load asked for more this long
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -50,6 +54,8 @@ class AutoscalePolicy:
             raise InvalidArgument(f"autoscaling.step_rate must be > 0 with target step_rate, got {self.step_rate}")
         if self.cooldown_s < 0:
             raise InvalidArgument(f"autoscaling.cooldown must be >= 0, got {self.cooldown_s}")
+        if self.scale_out_after_s < 0:
+            raise InvalidArgument(f"autoscaling.scale_out_after must be >= 0, got {self.scale_out_after_s}")
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> "AutoscalePolicy":
@@ -57,28 +63,51 @@ class AutoscalePolicy:
         values = dict(section)
         if "cooldown" in values:
             values["cooldown_s"] = values.pop("cooldown")
+        if "scale_out_after" in values:
+            values["scale_out_after_s"] = values.pop("scale_out_after")
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """One change of the desired count: when (the chief's clock), from what (None: the first), why."""
+
+    at: float
+    before: int | None
+    after: int
+    reason: str
+
+    def line(self) -> str:
+        was = "first decision" if self.before is None else f"was {self.before}"
+        return f"{self.after} worker(s) wanted ({was}): {self.reason}"
+
+
 class Autoscaler:
-    """``observe(now, pending_tasks, workers, steps)`` -> the desired worker count (also ``desired``)."""
+    """``observe(now, pending_tasks, workers, steps, total_tasks, finished)`` -> the desired worker count
+    (also ``desired``; None until the job has data). ``decisions``: the latest changes, newest last."""
+
+    KEEP = 20
 
     def __init__(self, policy: AutoscalePolicy):
         self.policy = policy
-        self.desired = policy.min_workers
-        self._lower_since: float | None = None
+        self.desired: int | None = None
+        self.decisions: deque[Decision] = deque(maxlen=self.KEEP)
+        self.made = 0                     # decisions ever made
+        self._asking = 0                  # +1: the load asks for more, -1: for fewer, 0: for what we have
+        self._since = 0.0
         self._steps: deque[tuple[float, int, int]] = deque()     # (now, total steps, workers)
 
-    def wanted(self, now: float, pending_tasks: int, workers: int, steps: int) -> int:
-        """What the load asks for right now, before hysteresis, within the bounds."""
+    def wanted(self, now: float, pending_tasks: int, workers: int, steps: int) -> tuple[int, str]:
+        """What the load asks for right now, before hysteresis, within the bounds, and why."""
         p = self.policy
         if p.target == "queue":
             raw = math.ceil(pending_tasks / p.tasks_per_worker)
+            why = f"{pending_tasks} task(s) not done, {p.tasks_per_worker:g} a worker"
         else:
-            raw = self._for_rate(now, workers, steps)
-        return max(p.min_workers, min(p.max_workers, raw))
+            raw, why = self._for_rate(now, workers, steps)
+        return max(p.min_workers, min(p.max_workers, raw)), why
 
-    def _for_rate(self, now: float, workers: int, steps: int) -> int:
+    def _for_rate(self, now: float, workers: int, steps: int) -> tuple[int, str]:
         self._steps.append((now, steps, workers))
         while self._steps and now - self._steps[0][0] > RATE_WINDOW_S:
             self._steps.popleft()
@@ -86,19 +115,35 @@ class Autoscaler:
         samples = list(self._steps)
         # worker-seconds in the window: each interval's length times the workers at its end
         worker_s = sum((t - tp) * w for (tp, _, _), (t, _, w) in zip(samples, samples[1:]))
-        if now - t0 < 1.0 or steps <= s0 or worker_s <= 0:
-            return self.desired              # not measured yet: keep what we have
+        if now - t0 < 1.0 or steps <= s0 or worker_s <= 0:      # not measured yet: keep what we have
+            return (self.desired if self.desired is not None else workers), "step rate not measured yet"
         per_worker = (steps - s0) / worker_s
-        return math.ceil(self.policy.step_rate / per_worker)
+        return (math.ceil(self.policy.step_rate / per_worker),
+                f"{per_worker:.2f} steps/s a worker, {self.policy.step_rate:g} wanted in all")
 
-    def observe(self, now: float, pending_tasks: int, workers: int, steps: int) -> int:
-        want = self.wanted(now, pending_tasks, workers, steps)
-        if want >= self.desired:
-            self._lower_since = None
-            self.desired = want
-        elif self._lower_since is None:
-            self._lower_since = now
-        elif now - self._lower_since >= self.policy.cooldown_s:
-            self.desired = want
-            self._lower_since = None
+    def observe(self, now: float, pending_tasks: int, workers: int, steps: int, total_tasks: int = -1,
+                finished: bool = False) -> int | None:
+        """``total_tasks`` 0: the job has no data yet (no decision); -1: not known (taken as some)."""
+        if total_tasks == 0:
+            return self.desired
+        if finished:
+            if self.desired is not None and self.desired != self.policy.min_workers:
+                self._decide(now, self.policy.min_workers, "every task is done")
+            return self.desired
+        want, why = self.wanted(now, pending_tasks, workers, steps)
+        if self.desired is None:
+            self._decide(now, want, why)
+            return self.desired
+        asking = (want > self.desired) - (want < self.desired)
+        if asking != self._asking:
+            self._asking, self._since = asking, now
+        if asking:
+            hold = self.policy.scale_out_after_s if asking > 0 else self.policy.cooldown_s
+            if now - self._since >= hold:
+                self._decide(now, want, f"{why}, for {now - self._since:.0f}s")
         return self.desired
+
+    def _decide(self, now: float, want: int, why: str) -> None:
+        self.decisions.append(Decision(now, self.desired, want, why))
+        self.made += 1
+        self.desired, self._asking = want, 0

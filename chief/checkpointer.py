@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 
+from shoal.chief.lifecycle import FinalCheckpoint
 from shoal.chief.tasks import TaskQueue
 from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
 from shoal import metrics
@@ -256,6 +258,7 @@ class Checkpointer:
         self._base_time = clock()
         self._committed_step = self.status.last_step  # the newest valid checkpoint's step
         self._retry_at = 0.0                          # a failed final checkpoint is tried again from then
+        self._final = FinalCheckpoint()               # the final checkpoint (every task done), for the job's end
         self.pauses: list[float] = []                # seconds updates were held, per committed checkpoint
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="checkpoint")
         self._stop = threading.Event()
@@ -302,13 +305,24 @@ class Checkpointer:
         if any(v is None for v in versions.values()):
             return None
         top = max(versions.values())
+        if finished and top <= self._committed_step:     # the final model is kept
+            self._final = dataclasses.replace(self._final, committed_step=self._committed_step)
         if not self._due(top, finished):
             return None
         with self._moves_held():
             with self.lock:     # a primary moved before the hold (chief/placement.py): try again at the next poll
                 if [(r.shard, r.member_id) for r in routes] != [(r.shard, r.member_id) for r in self.state.view().routes]:
                     return None
-            return self.checkpoint(routes, layout, top, settled=versions if finished else None)
+            path = self.checkpoint(routes, layout, top, settled=versions if finished else None)
+        if finished:
+            self._final = (dataclasses.replace(self._final, committed_step=self._committed_step) if path is not None
+                           else dataclasses.replace(self._final, failures=self._final.failures + 1,
+                                                    error=self.status.last_error))
+        return path
+
+    def final(self) -> FinalCheckpoint:
+        """The final checkpoint's state (chief/lifecycle.py ends the job once it is committed)."""
+        return self._final
 
     @contextlib.contextmanager
     def _moves_held(self):

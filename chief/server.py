@@ -15,6 +15,7 @@ from shoal.chief.checkpointer import CheckpointConfig, Checkpointer, resume
 from shoal.chief.journal import Journal, JournalError, JournalUnreadable
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
+from shoal.chief.stragglers import StragglerPolicy
 from shoal.chief.telemetry import ChiefWatch
 from shoal.config import JobConfig
 from shoal.members import Role
@@ -22,6 +23,7 @@ from shoal.members import Role
 log = logging.getLogger(__name__)
 
 SILENT_SERVERS_HOLD_LEASES = 3    # how long the chief waits (in leases) when it hears from no server at all
+DRAIN_S = 30.0      # after the job's end, how long at most the chief and its servers stay up (chief/lifecycle.py)
 
 
 class ChiefServer:
@@ -31,7 +33,8 @@ class ChiefServer:
 
     def __init__(self, job: JobConfig, bind: str = "127.0.0.1:0", tick_s: float = 0.2,
                  journal: "str | os.PathLike | Journal | None" = None, fresh: bool = False,
-                 checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None):
+                 checkpoint: CheckpointConfig | None = None, autoscale: AutoscalePolicy | None = None,
+                 drain_s: float = DRAIN_S, stragglers: StragglerPolicy | None = None):
         self.journal = journal if isinstance(journal, Journal) or journal is None else Journal(journal, fresh=fresh)
         saved = self.journal.load() if self.journal is not None else None
         if self.journal is not None and not fresh:
@@ -53,6 +56,10 @@ class ChiefServer:
         self.state = (self._recover(saved, job) if saved is not None
                       else ChiefState(job, time.monotonic, **same_job))
         self.job = self.state.job
+        lc = self.state.lifecycle      # the drain ends early once no worker was live for a lease
+        lc.drain_s, lc.quiet_s, lc.close_grace_s = drain_s, self.job.lease_seconds, 2 * self.job.lease_seconds + 5
+        if stragglers is not None:      # the job file's straggler_detection (chief/stragglers.py)
+            self.state.straggling.policy = stragglers
         self.servicer = ChiefServicer(self.state, self.journal)
         if self.journal is not None and not self.recovered and not fresh and not same_job:
             self.servicer.new_journal = str(self.journal.path)     # members of an older job: it was lost
@@ -64,8 +71,10 @@ class ChiefServer:
             self.checkpointer = Checkpointer(self.state, self.servicer.lock, checkpoint)
             if self.journal is not None:
                 self.checkpointer.on_record = self.servicer.save
+            self.servicer.final_checkpoint = self.checkpointer.final
         self.failed = threading.Event()     # set when the journal cannot be written: the process should exit
         self.stopped = threading.Event()    # set when the job stopped (--recovery consistent lost a shard)
+        self.closed = threading.Event()     # set when the job ended, drained and its servers left: exit now
         self._closed = False
         self.telemetry: ChiefWatch | None = None
         self.metrics_endpoint = None
@@ -122,15 +131,16 @@ class ChiefServer:
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
         """Starts the telemetry watcher (TensorBoard under ``tensorboard``/chief, Prometheus gauges,
         worker-behind alerts) and, with ``metrics_port`` (0: any free port), ``/metrics`` over HTTP."""
-        from shoal.metrics import MetricsEndpoint, bind_host
+        from shoal.metrics import MetricsEndpoint, bind_host, set_info
 
         def report(member: str, values: dict) -> None:
             with self.servicer.lock:
                 self.state.metrics.update(values)
 
         pauses = (lambda: self.checkpointer.pauses) if self.checkpointer is not None else None
+        set_info(mode=self.job.mode)
         if metrics_port is not None:
-            self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind))
+            self.metrics_endpoint = MetricsEndpoint(metrics_port, bind_host(self.bind), role="chief")
             self.metrics_endpoint.announce("chief", "chief")
         def desired_workers() -> int | None:
             scaler = self.servicer.autoscaler
@@ -152,6 +162,9 @@ class ChiefServer:
             self.state.members.backlog_s = self.server.lag_s    # its own queue counts against no member
             try:
                 self.servicer.tick()
+                with self.servicer.lock:
+                    if self.state.lifecycle.chief_may_exit(len(self.state.members.alive(Role.PS))):
+                        self.closed.set()
             except JournalError:
                 pass                # logged by the servicer; the next round stops
             except Exception:  # noqa: BLE001 - keep expiring leases whatever happens
@@ -174,6 +187,12 @@ class ChiefServer:
             if self.servicer.failed is None:
                 self.servicer.flush()
             self.journal.close()
+
+    @property
+    def exit_code(self) -> int | None:
+        """What the process exits with once the job ended (None while it runs)."""
+        ending = self.state.lifecycle.ending
+        return ending.exit_code if ending is not None else None
 
     def wait(self) -> None:
         self.server.wait()

@@ -14,13 +14,15 @@ import logging
 import math
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from shoal.chief.autoscale import DESIRED_WORKERS, Autoscaler
 from shoal.chief import identity
 from shoal.chief.ckpt_record import record_stats
 from shoal.chief.journal import Journal, JournalError
+from shoal.chief.lifecycle import FinalCheckpoint
 from shoal.chief.state import ChiefState
+from shoal.chief.stragglers import RoundBlame
 from shoal.chief.views import ViewBoard, check_scope
 from shoal import auth, convert, tokens
 from shoal.errors import InvalidArgument, Unavailable
@@ -51,6 +53,8 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         # job reaches it, that journal was lost, and ``lost_journal`` says so (the chief exits EXIT_REFUSED)
         self.new_journal: str | None = None
         self.lost_journal = ""
+        # what the checkpointer says of the final checkpoint (None: the job takes no checkpoints)
+        self.final_checkpoint: Callable[[], FinalCheckpoint | None] = lambda: None
 
     def _credential_key(self) -> bytes:
         return tokens.public_key(self.state.secret)
@@ -102,21 +106,28 @@ class ChiefServicer(pb_grpc.ChiefServicer):
         with self._locked():
             before = self.state.epoch
             gone = self.state.tick()
+            for line in self.state.step_lifecycle(self.final_checkpoint()):
+                (log.info if self.state.lifecycle.ending.ok else log.error)(line)
+            for level, line in self.state.watch_stragglers():
+                log.log(level, line)
             if self.autoscaler is not None:
-                s = self.state
-                desired = self.autoscaler.desired
-                self.autoscaler.observe(time.monotonic(), s.tasks.total - s.tasks.done_count,
-                                        len(s.members.alive(Role.WORKER)), s.totals().steps)
-                if self.autoscaler.desired != desired:
-                    log.info("autoscaling: %d worker(s) wanted (was %d; %d task(s) not done)",
-                             self.autoscaler.desired, desired, s.tasks.total - s.tasks.done_count)
+                self._autoscale()
             if self.state.epoch != before:
-                self._save("expired " + ", ".join(m.member_id for m in gone))
+                self._save("expired " + ", ".join(m.member_id for m in gone) if gone else "tick")
                 self._wake_watchers()
             elif self.views.stale():        # a change made outside the servicer (the checkpointer)
                 self._wake_watchers()
             elif self._dirty and time.monotonic() - self._last_write >= self.heartbeat_flush_s:
                 self._save("heartbeats")
+
+    def _autoscale(self) -> None:
+        """The desired worker count follows the load (chief/autoscale.py); each decision is one line."""
+        s, scaler = self.state, self.autoscaler
+        made = scaler.made
+        scaler.observe(time.monotonic(), s.tasks.total - s.tasks.done_count, len(s.members.alive(Role.WORKER)),
+                       s.totals().steps, s.tasks.total, s.tasks.finished)
+        for d in list(scaler.decisions)[made - scaler.made:] if scaler.made > made else []:
+            log.info("autoscaling: %s", d.line())
 
     @grpc_errors
     def ReportUnreachable(self, request, context):
@@ -205,11 +216,17 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                          {p.task_id: p.next_start for p in request.progress},
                                          request.step_seconds,
                                          {c.shard: c.backup_id for c in request.backups_complete})
+            if request.own_step_seconds and known:
+                self.state.straggling.own_time(mid, request.own_step_seconds)
+            if request.round_blame and known:
+                self.state.round_blame(mid, [RoundBlame(b.shard, b.worker, b.rounds, b.last, b.ratio,
+                                                        b.waited_seconds) for b in request.round_blame])
             if self.state.epoch != epoch:           # a backup's copy is complete: journaled, then published
                 self._changed_now(f"backups complete from {mid}")
             elif known and (request.progress or before != (m.counters, self.state.step_seconds.get(mid))):
                 self._touch()
-            return pb.HeartbeatReply(epoch=self.state.epoch, known=known)
+            return pb.HeartbeatReply(epoch=self.state.epoch, known=known,
+                                     leave=self.state.straggling.leave_reason(mid))
 
     @grpc_errors
     def Leave(self, request, context):
@@ -311,7 +328,7 @@ class ChiefServicer(pb_grpc.ChiefServicer):
             s = self.state
             workers = list(s.members.all(Role.WORKER))
             metrics = dict(s.metrics)
-            if self.autoscaler is not None:
+            if self.autoscaler is not None and self.autoscaler.desired is not None:
                 metrics[DESIRED_WORKERS] = float(self.autoscaler.desired)
             return pb.JobStats(totals=convert.counters_to_pb(s.totals()), metrics=metrics,
                                job_id=s.job_id, generation=s.generation,
@@ -323,4 +340,16 @@ class ChiefServicer(pb_grpc.ChiefServicer):
                                batches_per_epoch=s.tasks.spec.batches_per_epoch if s.tasks.spec else 0,
                                lost_shards=s.lost, stopped=s.stopped, metric_sources=dict(s.metric_sources),
                                **{**(s.checkpoints.stats() if s.checkpoints is not None else {}),
-                                  **record_stats(s.ckpt_record)})     # the journaled record wins
+                                  **record_stats(s.ckpt_record)},     # the journaled record wins
+                               **self._ending_stats())
+
+    def _ending_stats(self) -> dict:
+        lc = self.state.lifecycle
+        out = {"job_phase": lc.phase.value, "job_drain_left_seconds": lc.drain_left_s()}
+        if self.autoscaler is not None:
+            now = time.monotonic()
+            out["autoscale_decisions"] = [f"{now - d.at:.0f}s ago: {d.line()}" for d in self.autoscaler.decisions]
+        if lc.ending is not None:
+            out.update(job_result=lc.ending.result, job_exit_code=lc.ending.exit_code,
+                       job_ended_seconds_ago=lc.ended_seconds_ago())
+        return out

@@ -15,10 +15,12 @@ from shoal import tokens
 from shoal.chief import placement
 from shoal.chief.ckpt_record import CheckpointRecord
 from shoal.chief.identity import new_job_id
+from shoal.chief.lifecycle import Ending, FinalCheckpoint, JobLifecycle, Observed, Phase
 from shoal.chief.membership import Membership
+from shoal.chief.stragglers import MIN_STEPS, RoundBlame, StragglerDetector, StragglerPolicy
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
 from shoal.config import JobConfig
-from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
+from shoal.errors import JOB_FINISHED, FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, TensorSpec
 from shoal.loglines import log_burst
 from shoal.members import Counters, Member, MemberState, Role
@@ -67,6 +69,9 @@ class ChiefState:
         self.metric_sources: dict[str, str] = {}     # metric -> the member that reported it last
         self.checkpoints = None   # chief.checkpointer.CheckpointStatus with --checkpoint-dir (not journaled)
         self.ckpt_record = CheckpointRecord()  # the job's failed and committed checkpoint steps (journaled)
+        self.lifecycle = JobLifecycle(clock)   # the job's end (chief/lifecycle.py); its ending is journaled
+        # stragglers from what the job waits on, and what to do with them (chief/stragglers.py; not journaled)
+        self.straggling = StragglerDetector(StragglerPolicy(max(straggler_factor, 1.01)), sync=job.mode == "sync")
 
     def _changed(self, why: str) -> None:
         self.epoch += 1
@@ -77,6 +82,8 @@ class ChiefState:
     def join_worker(self, layout: ModelLayout, host: str = "", member_id: str = "") -> Member:
         if self.stopped:
             raise FailedPrecondition(f"the job is stopped: {self.stopped}")
+        if self.lifecycle.finished:
+            raise FailedPrecondition(f"{JOB_FINISHED} ({self.lifecycle.ending.result}): nothing left to train")
         if self.layout is None:
             if self.checkpoints is not None:
                 self.checkpoints.check_layout(layout)   # resuming: the model must match the checkpoint
@@ -180,13 +187,26 @@ class ChiefState:
         return True
 
     def stragglers(self) -> set[str]:
-        """Busy workers slower than ``straggler_factor`` times the median step time."""
-        busy = {m.member_id for m in self.members.alive(Role.WORKER) if m.state is MemberState.ALIVE}
-        times = {w: t for w, t in self.step_seconds.items() if w in busy}
-        if len(times) < 2:
-            return set()
-        median = statistics.median(times.values())
-        return {w for w, t in times.items() if t > self.straggler_factor * median}
+        """Workers found slow by what the job waits on (chief/stragglers.py)."""
+        return self.straggling.stragglers()
+
+    def _busy_workers(self) -> set[str]:
+        return {m.member_id for m in self.members.alive(Role.WORKER) if m.state is MemberState.ALIVE}
+
+    def round_blame(self, member_id: str, blame: list[RoundBlame]) -> None:
+        """A server's heartbeat: which workers its primaries' sync rounds waited for."""
+        self.straggling.rounds(b for b in blame if self.routing.get(b.shard) == member_id)
+
+    def watch_stragglers(self) -> list[tuple[int, str]]:
+        """One straggler observation (the ticker); the lines to log with their levels. A change in who the sync rounds
+        close without bumps the epoch: the servers follow it in the view."""
+        busy = self._busy_workers()
+        before = (self.straggling.stragglers(), self.straggling.excluded(busy))
+        judged = {w for w in busy if (m := self.members.find(w)) is not None and m.counters.steps >= MIN_STEPS}
+        lines = self.straggling.observe(judged, self.step_seconds)
+        if (self.straggling.stragglers(), self.straggling.excluded(busy)) != before:
+            self._changed("stragglers: " + (", ".join(sorted(self.straggling.stragglers())) or "none"))
+        return lines
 
     def sign(self, member_id: str, t: Task) -> bytes:
         return tokens.sign(self.secret, member_id, t.task_id, t.attempt, t.epoch, t.start, t.stop)
@@ -236,6 +256,7 @@ class ChiefState:
     def _drop(self, m: Member, graceful: bool = False) -> None:
         if m.role is Role.WORKER:
             self.tasks.release(m.member_id)
+            self.straggling.forget(m.member_id)
             return
         # graceful: the ps left on purpose (SIGTERM, the end of the job): its backups hold every update it
         # acknowledged, so promoting them is a planned hand-over, not a failover. Its routine lines (one a
@@ -323,6 +344,17 @@ class ChiefState:
         self.metrics.update({k: float(v) for k, v in values.items()})
         self.metric_sources.update({k: member_id for k in values})
 
+    def step_lifecycle(self, checkpoint: FinalCheckpoint | None) -> list[str]:
+        """Moves the job towards its end (chief/lifecycle.py); the lines to log. A new phase bumps the epoch:
+        the servers learn it from the view."""
+        before = self.lifecycle.phase
+        lines = self.lifecycle.step(Observed(self.tasks.done_count, self.tasks.total, self.tasks.finished,
+                                             self.stopped, checkpoint, len(self.members.alive(Role.WORKER)),
+                                             len(self.members.alive(Role.PS))))
+        if self.lifecycle.phase is not before:
+            self._changed(f"job {self.lifecycle.phase.value}")
+        return lines
+
     # ------------------------------------------------------------ reads
 
     def view(self) -> View:
@@ -346,7 +378,14 @@ class ChiefState:
         return View(self.epoch, alive, routes, len(routes) == self.job.num_shards, self.job,
                     self.layout.fingerprint if self.layout else "", self.tasks.completed_epochs,
                     *((frozenset(self.stragglers()), dict(self.step_seconds)) if workers else ()),
-                    job_id=self.job_id, generation=self.generation)
+                    job_id=self.job_id, generation=self.generation,
+                    excluded=frozenset(self.straggling.excluded(self._busy_workers())), **self._ending_fields())
+
+    def _ending_fields(self) -> dict:
+        lc = self.lifecycle
+        if lc.phase is Phase.RUNNING:
+            return {}
+        return {"job_phase": lc.phase.value, "job_result": lc.ending.result, "job_exit_code": lc.ending.exit_code}
 
     def totals(self) -> Counters:
         out = Counters()
@@ -388,6 +427,7 @@ class ChiefState:
             "metrics": dict(self.metrics),
             "metric_sources": dict(self.metric_sources),
             "checkpoint_record": self.ckpt_record.to_dict(),
+            "ending": self.lifecycle.ending.to_dict() if self.lifecycle.ending is not None else None,
         }
 
     def journal_snapshot(self) -> dict:
@@ -437,6 +477,8 @@ class ChiefState:
         s.metrics = {k: float(v) for k, v in d["metrics"].items()}
         s.metric_sources = {k: str(v) for k, v in d.get("metric_sources", {}).items()}
         s.ckpt_record = CheckpointRecord.from_dict(d.get("checkpoint_record"))
+        if d.get("ending"):
+            s.lifecycle = JobLifecycle(clock, ending=Ending.from_dict(d["ending"]))
         s.members = Membership.from_dict(d["members"], clock, fresh_leases=recover)
         s.tasks = TaskQueue.from_dict(d["tasks"])
         if recover:

@@ -21,7 +21,7 @@ from typing import Callable
 import grpc
 
 from shoal import metrics
-from shoal.alerts import BehindDetector, metric_key
+from shoal.alerts import BehindDetector, count_key, metric_key
 from shoal.members import MemberState, Role
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
@@ -48,6 +48,10 @@ class Snapshot:
     checkpoints: int
     checkpoint_step: int
     stragglers: dict[str, tuple[bool, int, float]] = field(default_factory=dict)
+    checkpoints_failed: int = 0                # attempts that failed since the chief started
+    job_phase: str = "running"                 # chief/lifecycle.py
+    job_exit_code: int = 0
+    loss: tuple[str, float] | None = None       # the latest worker's report of its mean loss: (member, value)
 
 
 def snapshot(state, wall: float) -> Snapshot:
@@ -69,7 +73,11 @@ def snapshot(state, wall: float) -> Snapshot:
         checkpoints=ckpt.written if ckpt is not None else 0,
         checkpoint_step=ckpt.last_step if ckpt is not None else 0,
         stragglers={m.member_id: (m.member_id in slow, m.counters.steps, state.step_seconds.get(m.member_id, 0.0))
-                    for m in workers})
+                    for m in workers},
+        checkpoints_failed=ckpt.failed if ckpt is not None else 0, job_phase=state.lifecycle.phase.value,
+        job_exit_code=state.lifecycle.ending.exit_code if state.lifecycle.ending is not None else 0,
+        loss=(state.metric_sources.get("train_loss", ""), state.metrics["train_loss"])
+        if "train_loss" in state.metrics else None)
 
 
 @dataclass(frozen=True)
@@ -155,11 +163,14 @@ class ChiefWatch:
         self.latest: Snapshot | None = None
         self.versions: dict[int, int] = {}
         self.refused = RefusedPushes()
+        self._raised: dict[tuple[str, str], int] = {}     # alert lines printed, per kind and member
+        self._losses: dict[str, float] = {}     # each live worker's latest mean loss: the job's is their mean
         self._report = report
         self._pauses = pauses
         self._desired_workers = desired_workers      # the autoscaler's count (None: no autoscaling)
         self._writer = None
         self._polls = 0
+        self._step = 0
         self._versions_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chief-telemetry", daemon=True)
@@ -200,16 +211,25 @@ class ChiefWatch:
         elif e.kind == "lease_expired":
             role = e.text.split(" ", 1)[0]
             metrics.LEASE_EXPIRATIONS.labels(role).inc()
+            if role == "worker":            # a worker gone without leaving (killed, lost): one alert
+                self._alert(Event("worker_lost", f"{e.text} (its lease ran out or its process is gone); its "
+                                                 f"tasks went back to the queue", 1, e.member))
+                return
         elif e.kind in ("worker_behind", "pushes_refused"):
-            metrics.ALERTS.labels(e.kind).inc()
-            log.warning("alert: %s", e.text)
-            if self._report is not None:
-                from shoal.alerts import Alert
-
-                key = metric_key(Alert(e.kind, e.member, int(e.value), 0.0))
-                self._report(e.member, {key: e.value})
+            self._alert(e)
         if e.kind in ("failover", "lease_expired"):
             log.info("%s", e.text)
+
+    def _alert(self, e: Event) -> None:
+        """One line per incident, counted, and carried to ``shoal status`` and the run summary."""
+        metrics.ALERTS.labels(e.kind).inc()
+        log.warning("alert: %s", e.text)
+        self._raised[(e.kind, e.member)] = self._raised.get((e.kind, e.member), 0) + 1
+        if self._report is not None:
+            from shoal.alerts import Alert
+
+            alert = Alert(e.kind, e.member, int(e.value), 0.0)
+            self._report(e.member, {metric_key(alert): e.value, count_key(alert): self._raised[(e.kind, e.member)]})
 
     def _tb(self):
         if self._writer is None and self.tensorboard:
@@ -228,7 +248,10 @@ class ChiefWatch:
         if w is None:
             return
         self._polls += 1
-        step, t = self._polls, s.wall       # one step per poll (about a second); walltime is exact
+        # the job's applied updates (the shards' newest version), the workers' x-axis too, so runs overlay;
+        # the poll count until a shard has been read
+        self._step = max(self._step, max(self.versions.values(), default=0), self._polls if not self.versions else 0)
+        step, t = self._step, s.wall
         w.add_scalar("cluster/live_workers", s.live_workers, step, walltime=t)
         w.add_scalar("cluster/live_ps", s.live_ps, step, walltime=t)
         w.add_scalar("cluster/view_epoch", s.view_epoch, step, walltime=t)
@@ -240,6 +263,11 @@ class ChiefWatch:
         w.add_scalar("progress/samples", s.samples, step, walltime=t)
         for k, v in self.versions.items():
             w.add_scalar(f"shards/version_{k}", v, step, walltime=t)
+        if s.loss is not None and s.loss[0] in s.stragglers:       # stragglers: every live worker, by id
+            self._losses[s.loss[0]] = s.loss[1]
+        self._losses = {m: v for m, v in self._losses.items() if m in s.stragglers}
+        if self._losses:
+            w.add_scalar("train/loss", sum(self._losses.values()) / len(self._losses), step, walltime=t)
         for e in events:
             if e.kind == "checkpoint":
                 w.add_scalar("events/checkpoint_step", e.value, step, walltime=t)
@@ -265,8 +293,17 @@ class ChiefWatch:
                             values=s.checkpoint_step)
         yield metrics.gauge("shoal_shard_version", "Version (updates applied) of each shard's primary",
                             ["shard"], [([str(k)], v) for k, v in sorted(self.versions.items())])
+        yield metrics.gauge("shoal_checkpoints_failed", "Checkpoint attempts that failed since the chief started",
+                            values=s.checkpoints_failed)
+        yield metrics.gauge("shoal_stragglers", "Workers flagged as stragglers now (chief/stragglers.py)",
+                            values=sum(1 for flagged, _, _ in s.stragglers.values() if flagged))
+        yield metrics.gauge("shoal_job_phase", "The job's phase (1 for the current one: running, finished, "
+                            "closing)", ["phase"], [([p], float(p == s.job_phase))
+                                                    for p in ("running", "finished", "closing")])
+        yield metrics.gauge("shoal_job_exit_code", "What the chief and its servers exit with once the job "
+                            "ended (0: succeeded)", values=s.job_exit_code)
         desired = self._desired_workers() if self._desired_workers is not None else None
-        if desired is not None:      # what a HorizontalPodAutoscaler follows (shoal k8s)
+        if desired is not None:      # what shoal local --autoscale, or whatever sets the worker Job's parallelism, follows
             yield metrics.gauge("shoal_autoscale_desired_workers",
                                 "Workers the job file's autoscaling policy asks for now", values=desired)
 

@@ -114,7 +114,7 @@ class JoinRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., host: _Optional[str] = ..., member_id: _Optional[str] = ..., view_scope: _Optional[_Union[ViewScope, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler")
+    __slots__ = ("member_id", "role", "address", "host", "state", "counters", "step_seconds", "straggler", "excluded")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class MemberInfo(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     role: Role
     address: str
@@ -131,7 +132,8 @@ class MemberInfo(_message.Message):
     counters: Counters
     step_seconds: float
     straggler: bool
-    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
+    excluded: bool
+    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., step_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ..., excluded: _Optional[bool] = ...) -> None: ...
 
 class ShardRoute(_message.Message):
     __slots__ = ("shard", "primary_id", "primary_address", "backup_id", "backup_address", "backup_complete")
@@ -150,7 +152,7 @@ class ShardRoute(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., primary_id: _Optional[str] = ..., primary_address: _Optional[str] = ..., backup_id: _Optional[str] = ..., backup_address: _Optional[str] = ..., backup_complete: _Optional[bool] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged", "job_id", "generation")
+    __slots__ = ("epoch", "members", "shards", "ready", "job", "layout_fingerprint", "completed_epochs", "routing_only", "num_workers", "worker_rank", "unchanged", "job_id", "generation", "job_phase", "job_result", "job_exit_code")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,9 @@ class ClusterView(_message.Message):
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    JOB_PHASE_FIELD_NUMBER: _ClassVar[int]
+    JOB_RESULT_FIELD_NUMBER: _ClassVar[int]
+    JOB_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardRoute]
@@ -177,7 +182,10 @@ class ClusterView(_message.Message):
     unchanged: bool
     job_id: str
     generation: int
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    job_phase: str
+    job_result: str
+    job_exit_code: int
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRoute, _Mapping]]] = ..., ready: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., completed_epochs: _Optional[int] = ..., routing_only: _Optional[bool] = ..., num_workers: _Optional[int] = ..., worker_rank: _Optional[int] = ..., unchanged: _Optional[bool] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ..., job_phase: _Optional[str] = ..., job_result: _Optional[str] = ..., job_exit_code: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "lease_seconds", "view", "shard", "restore_checkpoint", "credential", "verify_key")
@@ -206,18 +214,38 @@ class TaskProgress(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., next_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete")
+    __slots__ = ("member_id", "counters", "progress", "step_seconds", "backups_complete", "round_blame", "own_step_seconds")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_BLAME_FIELD_NUMBER: _ClassVar[int]
+    OWN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     counters: Counters
     progress: _containers.RepeatedCompositeFieldContainer[TaskProgress]
     step_seconds: float
     backups_complete: _containers.RepeatedCompositeFieldContainer[ShardCopy]
-    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+    round_blame: _containers.RepeatedCompositeFieldContainer[RoundBlame]
+    own_step_seconds: float
+    def __init__(self, member_id: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[TaskProgress, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., backups_complete: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., round_blame: _Optional[_Iterable[_Union[RoundBlame, _Mapping]]] = ..., own_step_seconds: _Optional[float] = ...) -> None: ...
+
+class RoundBlame(_message.Message):
+    __slots__ = ("shard", "worker", "rounds", "last", "ratio", "waited_seconds")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    worker: str
+    rounds: int
+    last: int
+    ratio: float
+    waited_seconds: float
+    def __init__(self, shard: _Optional[int] = ..., worker: _Optional[str] = ..., rounds: _Optional[int] = ..., last: _Optional[int] = ..., ratio: _Optional[float] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardCopy(_message.Message):
     __slots__ = ("shard", "backup_id")
@@ -228,12 +256,14 @@ class ShardCopy(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., backup_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("epoch", "known")
+    __slots__ = ("epoch", "known", "leave")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     known: bool
-    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+    leave: str
+    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ..., leave: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("member_id", "counters")
@@ -343,7 +373,7 @@ class MetricsReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources", "job_id", "generation", "checkpoint_missing_steps", "last_applied_step")
+    __slots__ = ("totals", "metrics", "workers_seen", "workers_live", "tasks_done", "tasks_total", "job", "queue_depth", "completed_epochs", "epochs", "batches_per_epoch", "restored_from", "restored_step", "checkpoint_step", "checkpoints_written", "lost_shards", "stopped", "checkpoints_failed", "checkpoint_failed_step", "checkpoint_error", "metric_sources", "job_id", "generation", "checkpoint_missing_steps", "last_applied_step", "job_phase", "job_result", "job_exit_code", "job_ended_seconds_ago", "job_drain_left_seconds", "autoscale_decisions")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +413,12 @@ class JobStats(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_MISSING_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    JOB_PHASE_FIELD_NUMBER: _ClassVar[int]
+    JOB_RESULT_FIELD_NUMBER: _ClassVar[int]
+    JOB_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    JOB_DRAIN_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     totals: Counters
     metrics: _containers.ScalarMap[str, float]
     workers_seen: int
@@ -408,7 +444,13 @@ class JobStats(_message.Message):
     generation: int
     checkpoint_missing_steps: _containers.RepeatedScalarFieldContainer[int]
     last_applied_step: int
-    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ..., checkpoint_missing_steps: _Optional[_Iterable[int]] = ..., last_applied_step: _Optional[int] = ...) -> None: ...
+    job_phase: str
+    job_result: str
+    job_exit_code: int
+    job_ended_seconds_ago: float
+    job_drain_left_seconds: float
+    autoscale_decisions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, totals: _Optional[_Union[Counters, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., workers_seen: _Optional[int] = ..., workers_live: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., queue_depth: _Optional[int] = ..., completed_epochs: _Optional[int] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., restored_from: _Optional[str] = ..., restored_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., lost_shards: _Optional[_Iterable[int]] = ..., stopped: _Optional[str] = ..., checkpoints_failed: _Optional[int] = ..., checkpoint_failed_step: _Optional[int] = ..., checkpoint_error: _Optional[str] = ..., metric_sources: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., generation: _Optional[int] = ..., checkpoint_missing_steps: _Optional[_Iterable[int]] = ..., last_applied_step: _Optional[int] = ..., job_phase: _Optional[str] = ..., job_result: _Optional[str] = ..., job_exit_code: _Optional[int] = ..., job_ended_seconds_ago: _Optional[float] = ..., job_drain_left_seconds: _Optional[float] = ..., autoscale_decisions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnreachableReport(_message.Message):
     __slots__ = ("reporter_id", "member_id")

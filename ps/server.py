@@ -55,6 +55,11 @@ class PSServer:
         self.gave_up = threading.Event()
         self.gave_up_reason = ""
         self.gave_up_code = EXIT_UNREACHABLE
+        # The job ended and its drain is over (the view's job_phase "closing", chief/lifecycle.py): ``done``
+        # is set, and the process exits with the job's exit code. ``done`` is also set when it gave up.
+        self.done = threading.Event()
+        self.job_result = ""
+        self.job_exit_code: int | None = None
         self.chief = ChiefClient(chief, pb.PS, host=socket.gethostname(), address_advertised=self.address,
                                  join_deadline_s=chief_timeout_s, lost_after_s=chief_timeout_s,
                                  on_lost=self._lost_chief, heartbeat_extra=self._fill_heartbeat,
@@ -108,18 +113,27 @@ class PSServer:
         from shoal.ps.telemetry import collector
 
         metrics.register_state(f"ps/{id(self)}", collector(self.host))
+        if self.host.job is not None:
+            metrics.set_info(mode=self.host.job.mode)
         if port is not None:
-            self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host)
+            self.metrics_endpoint = metrics.MetricsEndpoint(port, self.bind_host, role="ps")
             self.metrics_endpoint.announce("ps", self.chief.member_id)
         return self
 
     def _fill_heartbeat(self, req: pb.HeartbeatRequest) -> None:
         """Tells the chief which backups of this server's primaries hold a whole copy (only those it promotes)."""
         req.backups_complete.extend(pb.ShardCopy(shard=k, backup_id=b) for k, b in self.host.backups_complete())
+        # which workers this server's primaries' sync rounds waited for (ps/round_timing.py, chief/stragglers.py)
+        for k, shard in list(self.host.shards.items()):
+            if self.host.roles.get(k) == "primary":
+                req.round_blame.extend(pb.RoundBlame(shard=k, worker=b.worker, rounds=b.rounds, last=b.last,
+                                                     ratio=b.ratio, waited_seconds=b.waited_s)
+                                       for b in shard.rounds.blame())
 
     def _lost_chief(self, why: str) -> None:
         self.gave_up_reason = why
         self.gave_up.set()
+        self.done.set()
 
     def _refused_chief(self, why: str) -> None:
         self.gave_up_code = EXIT_REFUSED
@@ -131,10 +145,16 @@ class PSServer:
         # its credential) before it reads the view's routes, or it would drop as another member's the very
         # copies the view makes it primary of, and the job would wait on a shard nobody holds.
         self.host.rename(self.chief.member_id, self.chief.credential)
-        workers = frozenset(m.member_id for m in view.members if m.role == pb.WORKER and m.state == "alive")
+        # a worker the chief leaves out (straggler_detection action backup) is not waited for by sync rounds
+        workers = frozenset(m.member_id for m in view.members
+                            if m.role == pb.WORKER and m.state == "alive" and not m.excluded)
         servers = {m.member_id for m in view.members if m.role == pb.PS}     # a view lists the living only
         self.host.set_view(workers, view.completed_epochs, list(view.shards),
                            in_view=self.chief.member_id in servers)
+        if view.job_phase == "closing" and not self.done.is_set():
+            self.job_result, self.job_exit_code = view.job_result, view.job_exit_code
+            log.info("the job ended (%s) and its drain is over: this server exits", view.job_result)
+            self.done.set()
 
     def _worker_dropped(self, member_id: str) -> None:
         """A worker's data connection closed under it: tell the chief, which ends the worker at once if
@@ -152,6 +172,9 @@ class PSServer:
             log.info("could not report worker %s's dropped connection: %s", member_id, exc.code().name)
 
     def stop(self, grace_s: float = 2.0) -> None:
+        if getattr(self, "_stopped", False):       # once: `shoal ps` stops it at the job's end, a harness again
+            return
+        self._stopped = True
         set_serving(self._health, SERVICE, False)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from shoal.ps.round_timing import RoundTimer
 from shoal.ps.changes import ChangeLog
 from shoal.ps.guard import UpdateGuard, grad_norm, scaled
 from shoal.ps.shard_copies import ShardCopies
@@ -100,6 +101,7 @@ class Shard(ShardCopies, ShardGuard):
         self.fenced = ""          # why this copy may no longer take pushes (another ps is primary)
         self.nonfinite = "refuse"  # the job's --nonfinite policy (the host sets it from the job)
         self._nonfinite_streak: dict[str, int] = {}
+        self.rounds = RoundTimer(clock)   # sync: which worker each round waited for (ps/round_timing.py)
 
     @property
     def numel(self) -> int:
@@ -192,6 +194,7 @@ class Shard(ShardCopies, ShardGuard):
                 self._round_sparse, self._round_exact = self._round_sparse and sparse, ""
                 self._round_sum.add(grad)
             self._round_workers.add(worker)
+            self.rounds.arrived(worker)
             self._nonfinite_streak.pop(worker, None)
             if hparams:
                 self._round_hparams.update(hparams)
@@ -279,6 +282,7 @@ class Shard(ShardCopies, ShardGuard):
                 self._replicate(update, lambda: r.finish(update, sending))
         self._round_sum, self._round_workers, self._round_keys, self._round_present = None, set(), [], set()
         self._round_batches, self._round_hparams = {}, {}
+        self.rounds.closed()
         log.debug("shard %d applied %d gradient(s) -> version %d", self.shard_id, n, self.version)
 
     def _replicate(self, update: Update, call: Callable[[], Any]) -> Any:
@@ -319,6 +323,7 @@ class Shard(ShardCopies, ShardGuard):
         self.fenced = self.fenced or why
         self._round_sum, self._round_workers, self._round_keys, self._round_batches = None, set(), [], {}
         self._round_present = set()
+        self.rounds.reset()
         self._cond.notify_all()
 
     def _check_not_fenced(self) -> None:

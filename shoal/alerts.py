@@ -7,7 +7,9 @@
 - ``grad_spike``: the same for the gradient norm, with ``grad_spike``;
 - ``worker_behind``: a worker the chief flags as a straggler (step time above twice the median);
 - ``pushes_refused``: a shard refusing a worker's pushes that hold NaN/Inf (the chief's
-  ``RefusedPushes``, from the servers' counts).
+  ``RefusedPushes``, from the servers' counts);
+- ``worker_lost``: a worker dropped without leaving (its lease ran out, its process died: the chief's
+  watcher, chief/telemetry.py).
 
 Each is reported once per occurrence: an alert fires on the first anomalous step and
 re-arms when a step is normal again, so a loss that stays high is one alert, not one
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from shoal.errors import InvalidArgument
 
-KINDS = ("loss_spike", "nonfinite_loss", "grad_spike", "worker_behind", "pushes_refused")
+KINDS = ("loss_spike", "nonfinite_loss", "grad_spike", "worker_behind", "pushes_refused", "worker_lost")
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Alert:
     def message(self) -> str:
         what = {"loss_spike": "loss jumped to", "nonfinite_loss": "loss is", "grad_spike": "gradient norm jumped to",
                 "worker_behind": "is behind: step time",
-                "pushes_refused": "pushes refused for NaN/Inf:"}[self.kind]
+                "pushes_refused": "pushes refused for NaN/Inf:", "worker_lost": "lost: dropped without leaving,"}[self.kind]
         limit = f" (limit {self.threshold:.4g})" if self.threshold else ""
         return f"{self.member} step {self.step}: {what} {self.value:.4g}{limit}"
 
@@ -152,3 +154,16 @@ class BehindDetector:
 def metric_key(alert: Alert) -> str:
     """The chief's job-metrics key that carries an alert to ``shoal status`` and the run summary."""
     return f"alert/{alert.kind}/{alert.member}"
+
+
+def count_key(alert: Alert) -> str:
+    """The job-metrics key that carries how many alerts of this kind the member raised (lines it printed)."""
+    return f"alert_count/{alert.kind}/{alert.member}"
+
+
+def count_lines(job_metrics: dict) -> int:
+    """How many alert lines the job's members printed: the sum of their counts (one ``alert/`` key per
+    member and kind when a member reports no count)."""
+    counted = {k.split("/", 1)[1] for k in job_metrics if k.startswith("alert_count/")}
+    return int(sum(v for k, v in job_metrics.items() if k.startswith("alert_count/"))
+               + sum(1 for k in job_metrics if k.startswith("alert/") and k.split("/", 1)[1] not in counted))

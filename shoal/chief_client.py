@@ -78,6 +78,10 @@ class ChiefClient:
         self._stop = threading.Event()
         self._beat_now = threading.Event()
         self._threads: list[threading.Thread] = []
+        # the chief asks this member to leave (a heartbeat reply's ``leave``: an evicted straggler); called
+        # once, from the heartbeat thread, with the chief's reason
+        self.on_leave_asked: Callable[[str], None] | None = None
+        self._leave_asked = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -214,6 +218,9 @@ class ChiefClient:
                 if failures:
                     log.info("chief reachable again after %d failed heartbeat(s)", failures)
                 failures = 0
+                if reply.leave and not self._leave_asked and self.on_leave_asked is not None:
+                    self._leave_asked = True
+                    self.on_leave_asked(reply.leave)
                 if not reply.known:
                     with self._join_lock:
                         if self._left:          # the chief forgot us because we left: that is final

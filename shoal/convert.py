@@ -62,12 +62,14 @@ def view_to_pb(view: View) -> pb.ClusterView:
         members=[pb.MemberInfo(member_id=m.member_id, role=ROLE_TO_PB[m.role], address=m.address, host=m.host,
                                state=m.state.value, counters=counters_to_pb(m.counters),
                                step_seconds=view.step_seconds.get(m.member_id, 0.0),
-                               straggler=m.member_id in view.stragglers) for m in view.members],
+                               straggler=m.member_id in view.stragglers,
+                               excluded=m.member_id in view.excluded) for m in view.members],
         shards=[pb.ShardRoute(shard=r.shard, primary_id=r.member_id, primary_address=r.address,
                                     backup_id=r.backup_id, backup_address=r.backup_address,
                                     backup_complete=r.backup_complete) for r in view.routes],
         ready=view.ready, job=job_to_pb(view.job), layout_fingerprint=view.fingerprint,
-        completed_epochs=view.completed_epochs, job_id=view.job_id, generation=view.generation)
+        completed_epochs=view.completed_epochs, job_id=view.job_id, generation=view.generation,
+        job_phase=view.job_phase, job_result=view.job_result, job_exit_code=view.job_exit_code)
 
 
 def dataset_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:

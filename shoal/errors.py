@@ -130,6 +130,13 @@ def outcome(code: int) -> str:
         return f"killed by signal {-code}"
     return OUTCOMES.get(code, f"exit {code}")
 
+# Exit status of the chief and its servers when the job ended as failed for a reason without a code of
+# its own (e.g. every task done but the final checkpoint could not be kept); the reason is one line.
+EXIT_JOB_FAILED = 1
+
+# In the chief's refusal of a worker that joins a job that has ended: the worker exits 0 with one line.
+JOB_FINISHED = "the job has finished"
+
 
 class Unreachable(ShoalError):
     """A role waited on a peer (the chief, a server) past its deadline and gives up; the message says

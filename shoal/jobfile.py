@@ -1,7 +1,8 @@
 """The job file: one YAML document that describes a whole job, for every role and every generator.
 
 Nested sections (``train``, ``optimizer``, ``compression``, ``cluster``, ``checkpointing``, ``recovery``,
-``autoscaling``, ``straggler_detection``, ``resources``, ``image``, and per-role ``chief``/``ps``/``local``)
+``autoscaling``, ``straggler_detection``, ``logging``, ``alerts``, ``resources``, ``image``, and per-role
+``chief``/``ps``/``local``)
 map onto the command-line settings (:data:`KEYS`: key path -> the flags' ``dest``, and the
 ``SHOAL_*`` variable that overrides it). Precedence, lowest first: the file, ``SHOAL_*``
 variables, flags. Every value is checked here, so a bad one is one line naming its key path, the
@@ -110,14 +111,24 @@ KEYS: dict[str, Key] = {
     "autoscaling.tasks_per_worker": Key("float", *_GT0),
     "autoscaling.step_rate": Key("float", *_GT0),
     "autoscaling.cooldown": Key("duration", "a time like 30s or 2m", lambda v: v >= 0),
+    "autoscaling.scale_out_after": Key("duration", "a time like 5s or 1m", lambda v: v >= 0),
     "straggler_detection.factor": Key("float", "> 1", lambda v: v > 1),
-    "straggler_detection.action": Key("str", *_choice("flag", "backup", "replace")),
+    "straggler_detection.action": Key("str", *_choice("flag", "backup", "evict")),
+    # read by every role itself (shoal/cli/observe.py: flags and SHOAL_* variables win over them)
+    "logging.tensorboard": Key("str", "a directory path"),
+    "alerts.loss_spike": Key("float", "above 1 (a factor; 0: off)", lambda v: v == 0 or v > 1),
+    "alerts.grad_spike": Key("float", "above 1 (a factor; 0: off)", lambda v: v == 0 or v > 1),
+    "alerts.window": Key("int", *_at_least(3)),
+    "alerts.warmup": Key("int", *_at_least(0)),
+    "alerts.deviations": Key("float", *_at_least(0)),
     "name": Key("str", "a DNS label: lower-case letters, digits and '-', at most 40 characters",
                 lambda v: bool(re.match(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$", v))),
     "image": Key("str", "a container image reference like shoal:latest", lambda v: bool(_IMAGE.match(v))),
     "log_level": Key("str", *_choice("debug", "info", "warning", "error")),
     "chief.bind": Key("str", *_ADDR, dests=("bind",), commands=("chief",)),
     "chief.journal": Key("str", "a file path", dests=("journal",), commands=("chief",)),
+    "chief.end_drain": Key("duration", "a time like 30s or 2m", lambda v: v >= 0, dests=("end_drain",),
+                           commands=("chief",)),
     "ps.bind": Key("str", *_ADDR, dests=("bind",), commands=("ps",)),
     "ps.advertise": Key("str", "a host name", dests=("advertise",), commands=("ps",)),
     "ps.data_port": Key("int", *_PORT, dests=("data_port",), commands=("ps",)),
@@ -142,7 +153,8 @@ def _coerce(path: str, key: Key, value: Any, source: str) -> Any:
     """The value as ``key.kind``, or InvalidArgument naming ``path``, the value and what is allowed."""
     def bad(reason: str = "") -> InvalidArgument:
         what = f"{_KIND_WORDS.get(key.kind, '')} {key.allowed}".strip()
-        return InvalidArgument(f"{source}{path}: {value!r} is {reason or 'not allowed'}; allowed: {what}")
+        where = f"{source}{path})" if source.startswith("$") else f"{source}{path}"
+        return InvalidArgument(f"{where}: {value!r} is {reason or 'not allowed'}; allowed: {what}")
 
     out: Any = value
     if key.kind == "int":
@@ -285,11 +297,14 @@ def parse_job(data: Any, *, source: str = "", env: Mapping[str, str] | None = No
                if k.startswith("optimizer.") and k != "optimizer.name"}
     resources = _resources({k.split(".", 1)[1]: flat.pop(k) for k in list(flat) if k.startswith("resources.")},
                            source)
+    from_env: dict[str, str] = {}         # key path -> the SHOAL_* variable that set it: blamed, not the file
     for path_, key in KEYS.items():
         name = key.env_name()
         if env is not None and name and env.get(name) is not None:
             flat[path_] = env[name]
-    values = {p: _coerce(p, KEYS[p], v, source) for p, v in flat.items()}
+            from_env[path_] = name
+    values = {p: _coerce(p, KEYS[p], v, f"${from_env[p]} (overriding the job file's " if p in from_env else source)
+              for p, v in flat.items()}
     _check_together(values, source)
     optimizer = None
     if "optimizer.name" in values or hparams:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import grpc
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,97 @@ LEASE_EXPIRATIONS = Counter("shoal_lease_expirations_total", "Members dropped wi
                             "connection lost)", ["role"])
 FAILOVERS = Counter("shoal_failovers_total", "Shards whose primary moved to another parameter server")
 VIEW_CHANGES = Counter("shoal_view_changes_total", "Cluster view epochs published")
+
+
+# What each role's ``/metrics`` serves (:func:`role_registry`): its own families, never another role's, so an
+# ``avg``/``min`` over a job is not dragged to 0 by roles that never train
+COMMON = (RPC_DURATION, RPC_ERRORS)
+ROLE_FAMILIES = {
+    "worker": (STEPS, SAMPLES, PUSH_BYTES, PULL_BYTES, STEP_SECONDS, LOSS, GRAD_NORM, STALENESS, COMPRESSION_RATIO,
+               ALERTS),
+    "chief": (CHECKPOINT_SECONDS, LEASE_EXPIRATIONS, FAILOVERS, VIEW_CHANGES, ALERTS),
+    "ps": (),
+}
+ROLES = tuple(ROLE_FAMILIES)
+
+_info_lock = threading.Lock()
+_info: dict[str, str] = {}          # process-wide job labels (job, mode) for shoal_job_info
+
+
+def set_info(**labels: str) -> None:
+    """Job labels of this process's ``shoal_job_info`` (``mode=...``; ``job`` defaults to the job file's name)."""
+    with _info_lock:
+        _info.update({k: str(v) for k, v in labels.items() if v})
+
+
+def _job_name() -> str:
+    if "job" in _info:
+        return _info["job"]
+    path = os.environ.get("SHOAL_JOB_FILE", "")
+    if path:
+        try:
+            from shoal.jobfile import load_job
+            return str(load_job(path).get("name", "shoal"))
+        except Exception:  # noqa: BLE001 - a label is never worth failing a scrape
+            pass
+    return os.environ.get("SHOAL_JOB_NAME", "shoal")
+
+
+class _InfoCollector:
+    """``shoal_build_info`` and ``shoal_job_info{job,mode,role,member}``, both 1: join on them in PromQL."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.member = ""
+
+    def collect(self):
+        import platform
+
+        from shoal import __version__
+        build = GaugeMetricFamily("shoal_build_info", "shoal's version and runtime; always 1",
+                                  labels=["version", "python", "grpc"])
+        build.add_metric([__version__, platform.python_version(), grpc.__version__], 1.0)
+        yield build
+        with _info_lock:
+            mode = _info.get("mode", "")
+        job = GaugeMetricFamily("shoal_job_info", "The job this process belongs to and its role in it; always 1",
+                                labels=["job", "mode", "role", "member"])
+        job.add_metric([_job_name(), mode, self.role, self.member], 1.0)
+        yield job
+
+    def describe(self):
+        return []
+
+
+class _RoleStates:
+    """The scrape-time collectors (:func:`register_state`) of one role: keys ``role`` or ``role/...``."""
+
+    def __init__(self, role: str):
+        self.role = role
+
+    def collect(self):
+        with _state_lock:
+            mine = [c for k, c in _collectors.items() if k == self.role or k.startswith(self.role + "/")]
+        for c in mine:
+            yield from c.collect()
+
+    def describe(self):
+        return []
+
+
+def role_registry(role: str) -> tuple[CollectorRegistry, _InfoCollector]:
+    """A registry holding ``role``'s families only, its scrape-time state, and the info metrics."""
+    from shoal.errors import InvalidArgument
+
+    if role not in ROLE_FAMILIES:
+        raise InvalidArgument(f"unknown metrics role {role!r}; known: {', '.join(ROLES)}")
+    registry = CollectorRegistry(auto_describe=True)
+    for family in (*COMMON, *ROLE_FAMILIES[role]):
+        registry.register(family)
+    registry.register(_RoleStates(role))
+    info = _InfoCollector(role)
+    registry.register(info)
+    return registry, info
 
 
 def metric_names() -> list[str]:
@@ -199,15 +290,17 @@ class MetricsEndpoint:
     servers pass their own bind host, so a role that listens for peers is scraped there too.
     """
 
-    def __init__(self, port: int, host: str | None = None):
+    def __init__(self, port: int, host: str | None = None, role: str | None = None):
         from shoal.errors import InvalidArgument
 
         if not 0 <= port <= 65535:
             raise InvalidArgument(f"--metrics-port must be a port number (0: any free one), got {port}")
         host = host if host is not None else os.environ.get("SHOAL_METRICS_HOST", "127.0.0.1")
         self.host = host
+        # ``role``: serve that role's families only (role_registry); None: every family in the process
+        registry, self._info = role_registry(role) if role is not None else (REGISTRY, None)
         try:
-            self._server, self._thread = start_http_server(port, addr=host or "0.0.0.0")
+            self._server, self._thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
         except OSError as exc:
             raise InvalidArgument(f"--metrics-port {port}: cannot listen on {host or '0.0.0.0'}:{port} "
                                   f"({exc.strerror or exc})") from None
@@ -217,6 +310,8 @@ class MetricsEndpoint:
     def announce(self, role: str, member: str) -> None:
         """Logs the URL and, with ``$SHOAL_METRICS_DIR``, writes ``<dir>/<member>.json`` for Prometheus file_sd."""
         log.info("metrics for %s at %s", member or role, self.url)
+        if self._info is not None:
+            self._info.member = member
         directory = os.environ.get("SHOAL_METRICS_DIR")
         if not directory or not member:
             return

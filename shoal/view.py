@@ -35,3 +35,7 @@ class View:
     step_seconds: Mapping[str, float] = field(default_factory=dict)
     job_id: str = ""            # the job that publishes it and its chief's generation (chief/identity.py)
     generation: int = 0
+    excluded: frozenset[str] = frozenset()     # workers sync rounds close without (chief/stragglers.py)
+    job_phase: str = ""            # chief/lifecycle.py's Phase once the job ended ("finished", "closing")
+    job_result: str = ""
+    job_exit_code: int = 0

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from shoal import metrics
-from shoal.alerts import AlertConfig, TrainingAlerts, metric_key
+from shoal.alerts import AlertConfig, TrainingAlerts, count_key, metric_key
 from shoal.config import from_sources
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class StepRecord:
     bytes_pulled: int = 0
     raw_bytes: int = 0                   # the fp32 gradient this step pushed, before compression
     staleness: int = 0
+    job_step: int = 0                    # the job's applied updates after this step (the shards' newest version):
+                                         # every worker's and the chief's TensorBoard x-axis, so runs overlay
 
 
 def _value(x: Any) -> float | None:
@@ -80,7 +82,7 @@ class WorkerTelemetry:
         self._endpoint = None
         self._announced = False
         if metrics_port is not None:
-            self._endpoint = metrics.MetricsEndpoint(metrics_port)     # announced once the member has a name
+            self._endpoint = metrics.MetricsEndpoint(metrics_port, role="worker")     # announced once the member has a name
         self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
         self._thread.start()
 
@@ -175,7 +177,7 @@ class WorkerTelemetry:
         step_s = sum(r.phases.values())
         w = self._tb()
         if w is not None:
-            t, s = r.wall, r.step
+            t, s = r.wall, r.job_step or r.step
             if loss is not None:
                 w.add_scalar("train/loss", loss, s, walltime=t)
             if norm is not None:
@@ -202,7 +204,9 @@ class WorkerTelemetry:
             writer.add_scalar(f"alerts/{alert.kind}", alert.value if math.isfinite(alert.value) else 0.0,
                               alert.step, walltime=wall)
             writer.add_text("alerts", alert.message(), alert.step, walltime=wall)
-        self._send({metric_key(alert): float(alert.step)})
+        # the number of lines, so the run's ending counts what was printed (shoal.alerts.count_key)
+        raised = sum(1 for a in self.raised if a.kind == alert.kind)
+        self._send({metric_key(alert): float(alert.step), count_key(alert): float(raised)})
 
     def _report_loss(self, force: bool = False) -> None:
         now = self._clock()
@@ -320,4 +324,5 @@ def after_step(trainer, started: float, samples: int, loss: Any, versions: dict[
         step=trainer.step_count, wall=time.time(), samples=samples, loss=loss,
         grad_norm=norm, phases=phases,
         bytes_pushed=pushed, bytes_pulled=pulled, raw_bytes=4 * trainer.layout.numel if pushed else 0,
-        staleness=max(0, max(stale, default=0))))
+        staleness=max(0, max(stale, default=0)),
+        job_step=max((r.version for r in replies.values() if getattr(r, "version", 0)), default=0)))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import torch
 
-from shoal import convert
+from shoal import convert, metrics
 from shoal.chief_client import ChiefClient
 from shoal.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
@@ -63,6 +63,12 @@ def request_stop() -> bool:
             feed.interrupt()
             taking = True
     return taking
+
+
+def _leave_asked(why: str) -> None:
+    """The chief asks this worker to leave: it hands back its task and exits 0, as on SIGTERM."""
+    log.warning("the chief asks this worker to leave (%s): handing back its task at the next batch", why)
+    request_stop()
 
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
@@ -124,6 +130,7 @@ class Trainer(ShardExchange):
         self.accumulation: Any = None    # a DistributedOptimizer's: backward passes not pushed yet (accumulate.py)
         self._progress: dict[int, int] = {}
         self._step_seconds = 0.0
+        self._own_seconds = 0.0        # outside step(): what a sync round waits on (chief/stragglers.py)
         self._last_step_end = 0.0
         self._feed: TaskFeed | None = None      # before the heartbeats start: they read it
         self._closed = False
@@ -136,6 +143,7 @@ class Trainer(ShardExchange):
                                  layout=convert.layout_to_pb(self.layout), counters=self._snapshot_counters,
                                  heartbeat_extra=self._fill_heartbeat, join_deadline_s=connect_timeout_s,
                                  view_scope=pb.ROUTING)     # woken by routing changes only (chief/views.py)
+        self.chief.on_leave_asked = _leave_asked                 # an evicted straggler (chief/stragglers.py)
         # before joining: a metrics port in use is an error that leaves nothing behind
         self.telemetry = WorkerTelemetry.from_env(lambda: self.chief.member_id, report=self._send_metrics)
         self.clock, self._bytes_at_step = StepClock(), [0, 0]
@@ -167,6 +175,7 @@ class Trainer(ShardExchange):
         self.buffers.load(self.flat_weights)       # the job's buffers, not this process's fresh ones
         self._started = True
         _LIVE.add(self)
+        metrics.set_info(mode=self.mode)          # shoal_job_info's mode label
         log.info("worker %s ready: %d parameters in %d shard(s), mode %s, compression %s",
                  self.member_id, self.layout.numel, len(self._clients), self.mode, self.encoder.tag)
 
@@ -333,8 +342,9 @@ class Trainer(ShardExchange):
             self.counters.steps += 1
             self.counters.samples += samples
             if self._last_step_end:
-                period = now - self._last_step_end
+                period, own = now - self._last_step_end, max(0.0, t0 - self._last_step_end)
                 self._step_seconds = period if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * period
+                self._own_seconds = own if not self._own_seconds else 0.8 * self._own_seconds + 0.2 * own
             self._last_step_end = now
         after_step(self, t0, samples, loss, versions, by_shard, self._bytes_at_step)
         log.debug("step %d in %.1f ms", self.step_count, (now - t0) * 1e3)
@@ -433,6 +443,7 @@ class Trainer(ShardExchange):
             for task_id, next_start in self._progress.items():
                 req.progress.add(task_id=task_id, next_start=min(next_start, holds.get(task_id, next_start)))
             req.step_seconds = self._step_seconds
+            req.own_step_seconds = self._own_seconds
 
     def _send_metrics(self, values: dict[str, float]) -> None:
         self.chief.stub.ReportMetrics(pb.MetricsReport(member_id=self.member_id, values=values), timeout=2)

@@ -1,15 +1,25 @@
 """``shoal k8s job.yaml``: Kubernetes manifests for the job, native or as a Kubeflow ``TFJob``.
 
+A job ends (chief/lifecycle.py): once its data is done the chief and its servers drain and exit 0
+(non-zero when the job failed), and a worker exits 0. So every role runs as a ``batch/v1`` Job, never
+as a Deployment or StatefulSet that would start a finished role again:
+
 Native set: a ConfigMap with the job file; a PVC for the chief's journal and the checkpoints
-(ReadWriteMany: every parameter server writes its shards' files); the chief as a one-replica
-Deployment (``Recreate``: one journal writer) behind a Service; the parameter servers as a
-StatefulSet behind a headless Service (stable names ``<job>-ps-K.<job>-ps``, what workers dial) with
-a PodDisruptionBudget; the workers as a Deployment that ``kubectl scale`` resizes, and, with an
-``autoscaling`` section, a HorizontalPodAutoscaler on the chief's ``shoal_autoscale_desired_workers``
-metric. Probes use Kubernetes' native gRPC probes on the health service.
+(ReadWriteMany: every parameter server writes its shards' files); the chief as a one-pod Job
+(restarted in place on failure: it carries on from its journal) behind a Service; the parameter
+servers as an Indexed Job whose pods keep stable names ``<job>-ps-K.<job>-ps`` (the pod host name an
+Indexed Job gives, under a headless Service: what workers dial) with a PodDisruptionBudget; the
+workers as a Job with ``completions`` unset and ``parallelism`` the worker count (``kubectl patch job
+<job>-worker -p '{"spec":{"parallelism":N}}'`` resizes it; a Job has no scale subresource, so no
+HorizontalPodAutoscaler can drive it: with an ``autoscaling`` section the chief's desired count is
+in ``shoal status`` and ``shoal_autoscale_desired_workers`` for whatever patches the parallelism).
+Finished Jobs are deleted ``TTL_S`` after they end. Every pod meets Pod Security "restricted"
+(non-root, no privilege escalation, every capability dropped, the runtime's seccomp profile). Probes
+use Kubernetes' native gRPC probes on the health service.
 
 ``--tfjob``: the same job as a ``TFJob``; the operator sets ``TF_CONFIG`` and every replica runs
-``shoal start``, which takes its role and place from it.
+``shoal start``, which takes its role and place from it. Its success policy is the default one: the
+TFJob succeeds when the Chief exits 0 (the others are then stopped, ``cleanPodPolicy: Running``).
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from shoal.cli import alert_rules
 from shoal.cli.compose import DATA_PORT, PORT, Dumper, role_args
 from shoal.jobfile import JobFile, dump, load_job
 
@@ -28,8 +39,10 @@ JOB_PATH = f"{JOB_DIR}/job.yaml"
 STATE = "/var/lib/shoal"
 TFJOB_PORT = 2222            # the port the TFJob operator puts in TF_CONFIG (tfjob-port)
 GRACE_S = 30                 # SIGTERM, then this long before SIGKILL: a worker hands back its task
-DESIRED_METRIC = "shoal_autoscale_desired_workers"
 METRICS_PORT = 9400          # every pod's /metrics, announced to Prometheus by the prometheus.io annotations
+TTL_S = 3600                 # a finished Job (and its pods' logs) is kept this long, then deleted
+BACKOFF_LIMIT = 6            # pod restarts a Job allows before it fails
+UID = 10001                  # the image's user (Dockerfile)
 
 
 def _meta(job: JobFile, suffix: str = "", role: str = "") -> dict[str, Any]:
@@ -86,13 +99,28 @@ def _container(job: JobFile, role: str, args: list[str], port: int | None, state
     return c, volumes
 
 
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                        "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def _pod(job: JobFile, role: str, container: dict, volumes: list[dict], **spec: Any) -> dict[str, Any]:
+    container = {**container, "securityContext": dict(RESTRICTED_CONTAINER)}    # Pod Security "restricted"
     return {"metadata": {"labels": {**_meta(job, role=role)["labels"]},
                          "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                                          "prometheus.io/path": "/metrics"}},
-            "spec": {"terminationGracePeriodSeconds": GRACE_S, "securityContext": {"fsGroup": 10001},
+            "spec": {"terminationGracePeriodSeconds": GRACE_S,
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                                         "seccompProfile": {"type": "RuntimeDefault"}},
                      "containers": [container], "volumes": volumes,
                      **spec}}
+
+
+def _batch_job(job: JobFile, role: str, template: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """A ``batch/v1`` Job of ``role``'s pods: restarted in place on failure, never once they exit 0."""
+    template["spec"]["restartPolicy"] = "OnFailure"
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, role, role),
+            "spec": {**spec, "backoffLimit": BACKOFF_LIMIT, "ttlSecondsAfterFinished": TTL_S,
+                     "template": template}}
 
 
 def _configmap(job: JobFile) -> dict[str, Any]:
@@ -118,60 +146,36 @@ def _state_args(args: list[str]) -> list[str]:
 
 
 def native(job: JobFile) -> list[dict[str, Any]]:
-    """ConfigMap, PVC, chief Deployment + Service, ps StatefulSet + headless Service + PDB, workers, HPA."""
+    """ConfigMap, PVC, chief Job + Service, ps Indexed Job + headless Service + PDB, worker Job."""
     name = job.get("name", "shoal")
     chief_addr = f"{name}-chief:{PORT}"
     num_ps, workers = job.get("cluster.ps", 2), job.get("cluster.workers", 2)
     docs = [_configmap(job), _pvc(job)]
 
     c, v = _container(job, "chief", _state_args(role_args(job, "chief", chief_addr, JOB_PATH)), PORT, True)
-    docs.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(job, "chief", "chief"),
-                 "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
-                          "selector": {"matchLabels": _selector(job, "chief")},
-                          "template": _pod(job, "chief", c, v)}})
+    docs.append(_batch_job(job, "chief", _pod(job, "chief", c, v), completions=1, parallelism=1))
     docs.append({"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, "chief", "chief"),
                  "spec": {"selector": _selector(job, "chief"),
                           "ports": [{"name": "grpc", "port": PORT, "targetPort": "grpc"}]}})
 
-    ps_args = [*role_args(job, "ps", chief_addr, JOB_PATH), "--advertise", f"$(POD_NAME).{name}-ps"]
+    # an Indexed Job names its pods' hosts <job>-ps-K: under the headless Service, <job>-ps-K.<job>-ps
+    ps_args = [*role_args(job, "ps", chief_addr, JOB_PATH), "--advertise", f"{name}-ps-$(PS_INDEX).{name}-ps"]
     c, v = _container(job, "ps", _state_args(ps_args), PORT, True)
-    c["env"].append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    c["env"].append({"name": "PS_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
     c["ports"].append({"name": "data", "containerPort": DATA_PORT})
-    docs.append({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(job, "ps", "ps"),
-                 "spec": {"serviceName": f"{name}-ps", "replicas": num_ps, "podManagementPolicy": "Parallel",
-                          "selector": {"matchLabels": _selector(job, "ps")},
-                          "template": _pod(job, "ps", c, v)}})
+    docs.append(_batch_job(job, "ps", _pod(job, "ps", c, v, subdomain=f"{name}-ps"), completions=num_ps,
+                           parallelism=num_ps, completionMode="Indexed"))
     docs.append({"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, "ps", "ps"),
                  "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                           "selector": _selector(job, "ps"),
                           "ports": [{"name": "grpc", "port": PORT}, {"name": "data", "port": DATA_PORT}]}})
     docs.append(_ps_pdb(job))
 
+    # completions unset: the Job is done once a worker exits 0 and the others have ended (the data is done)
     c, v = _container(job, "worker", role_args(job, "worker", chief_addr, JOB_PATH), None, False)
-    docs.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(job, "worker", "worker"),
-                 "spec": {"replicas": workers, "selector": {"matchLabels": _selector(job, "worker")},
-                          "template": _pod(job, "worker", c, v)}})
-    if job.section("autoscaling"):
-        docs.append(_hpa(job))
+    docs.append(_batch_job(job, "worker", _pod(job, "worker", c, v), parallelism=workers))
     return docs
-
-
-def _hpa(job: JobFile) -> dict[str, Any]:
-    """Scales the workers to the chief's desired count: an External metric with an average value of 1
-    per pod makes the HPA's replicas ceil(desired / 1) = desired (through a metrics adapter that
-    serves the chief's Prometheus metric, e.g. prometheus-adapter)."""
-    auto = job.section("autoscaling")
-    low = auto.get("min_workers", 1)
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": _meta(job, "worker", "worker"),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
-                                        "name": _meta(job, "worker")["name"]},
-                     "minReplicas": low, "maxReplicas": max(low, auto.get("max_workers", low)),
-                     "metrics": [{"type": "External", "external": {
-                         "metric": {"name": DESIRED_METRIC,
-                                    "selector": {"matchLabels": {"job": job.get("name", "shoal")}}},
-                         "target": {"type": "AverageValue", "averageValue": "1"}}}],
-                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 60}}}}
 
 
 def tfjob(job: JobFile) -> list[dict[str, Any]]:
@@ -190,7 +194,8 @@ def tfjob(job: JobFile) -> list[dict[str, Any]]:
             c.update(_probes(TFJOB_PORT))
         return {"replicas": count, "restartPolicy": "OnFailure", "template": _pod(job, role, c, v)}
 
-    spec = {"runPolicy": {"cleanPodPolicy": "Running"},
+    # the default success policy: the TFJob succeeds when the Chief exits 0 (chief/lifecycle.py)
+    spec = {"runPolicy": {"cleanPodPolicy": "Running", "ttlSecondsAfterFinished": TTL_S, "backoffLimit": BACKOFF_LIMIT},
             "tfReplicaSpecs": {"Chief": replica("chief", 1), "PS": replica("ps", job.get("cluster.ps", 2)),
                                "Worker": replica("worker", job.get("cluster.workers", 2))}}
     pdb = _ps_pdb(job)
@@ -217,6 +222,9 @@ def cmd_k8s(args: argparse.Namespace) -> int:
             path = out / ("shoal.yaml" if variant == "native" else "tfjob.yaml")
             path.write_text(render(make(job), job, variant))
             print(f"wrote {path}", file=sys.stderr)
+        path = out / "prometheus-rule.yaml"      # the alerting rules, for the Prometheus Operator
+        path.write_text(alert_rules.render(alert_rules.prometheus_rule(job.get("name", "shoal")), "k8s"))
+        print(f"wrote {path}", file=sys.stderr)
     else:
         variant = "tfjob" if args.tfjob else "native"
         sys.stdout.write(render(variants[variant](job), job, variant))
@@ -227,7 +235,7 @@ def add_command(sub: Any, commands: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("k8s", help="write Kubernetes manifests for a job file")
     p.add_argument("job_file", help="the job file (YAML)")
     p.add_argument("--tfjob", action="store_true", help="a Kubeflow TFJob instead of Deployments/StatefulSet")
-    p.add_argument("-o", "--out", help="a folder: write shoal.yaml (native) and tfjob.yaml there "
+    p.add_argument("-o", "--out", help="a folder: write shoal.yaml (native), tfjob.yaml and prometheus-rule.yaml there "
                                        "(default: the chosen variant to standard output)")
     p.set_defaults(func=cmd_k8s)
     commands["k8s"] = p

@@ -235,6 +235,7 @@ class LocalCluster:
                                       "--lease-seconds", str(job.lease_seconds),
                                       "--replicas", str(job.replicas), "--recovery", job.recovery,
                                       "--nonfinite", job.nonfinite, *guard_flags(job),
+                                      "--end-drain", "inf",     # this supervisor reads the records, then stops them
                                       "--journal", str(self._new_journal()), *self._checkpoint_args(),
                                       *(["--config", self.cfg.config] if self.cfg.config else []),
                                       *observe.local_role_flags(self.cfg, "chief", 0)])

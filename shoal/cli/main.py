@@ -17,12 +17,13 @@ from pathlib import Path
 import grpc
 
 from shoal.config import GRAD_NORM_POLICY, MODES, NONFINITE, RECOVERY, JobConfig, from_sources
-from shoal.cli import compose, k8s
-from shoal.cli.sources import add_commands as add_source_commands, apply_sources, autoscale_policy, export_job_file
+from shoal.cli import alert_rules, compose, k8s
+from shoal.cli.sources import (add_commands as add_source_commands, apply_sources, autoscale_policy,
+                               export_job_file, straggler_policy)
 from shoal.jobfile import load_job
 from shoal.memory import tune_malloc
 from shoal.cli import observe, security
-from shoal.errors import (EXIT_REFUSED, EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, Refused,
+from shoal.errors import (JOB_FINISHED, EXIT_REFUSED, EXIT_ROLLBACK, EXIT_UNREACHABLE, EXIT_USAGE, InvalidArgument, Refused,
                           ShoalError, Unavailable, Unreachable)
 
 log = logging.getLogger("shoal")
@@ -140,8 +141,11 @@ def cmd_chief(args: argparse.Namespace) -> int:
     job = _job_from(args, args.num_shards)
     tensorboard, metrics_port = observe.tensorboard_dir(args), observe.metrics_port(args)
     security.warn_if_exposed("shoal chief", args.bind)
+    if not args.end_drain >= 0:
+        raise InvalidArgument(f"--end-drain must be >= 0 seconds (inf: until stopped), got {args.end_drain:g}")
     server = ChiefServer(job, bind=args.bind, journal=args.journal or None, fresh=args.fresh,
-                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args))
+                         checkpoint=_checkpoint_from(args), autoscale=autoscale_policy(args), drain_s=args.end_drain,
+                         stragglers=straggler_policy(args))
     server.watch(tensorboard, metrics_port).start()       # a metrics port in use fails before serving
     _freeze_heap()
     _write_port(args.port_file, server.port)
@@ -156,6 +160,7 @@ def cmd_chief(args: argparse.Namespace) -> int:
     if server.state.stopped:
         server.stopped.set()
     threading.Thread(target=lambda: (server.failed.wait(), done.set()), daemon=True).start()
+    threading.Thread(target=lambda: (server.closed.wait(), done.set()), daemon=True).start()
     _serve_until_signalled(server, done)
     if server.servicer.lost_journal:        # members of the job whose journal this was reached it
         print(f"shoal chief: error: {server.servicer.lost_journal}", file=sys.stderr)
@@ -163,6 +168,11 @@ def cmd_chief(args: argparse.Namespace) -> int:
     if server.servicer.failed is not None:
         print(f"shoal chief: error: {server.servicer.failed}", file=sys.stderr)
         return 1
+    if server.closed.is_set():        # the job ended and drained (chief/lifecycle.py)
+        ending = server.state.lifecycle.ending
+        if ending.exit_code:
+            print(f"shoal chief: the job failed: {ending.result}", file=sys.stderr)
+        return ending.exit_code
     if server.stopped.is_set():
         print(f"shoal chief: job stopped: {server.state.stopped}", file=sys.stderr)
         return EXIT_ROLLBACK
@@ -187,10 +197,13 @@ def cmd_ps(args: argparse.Namespace) -> int:
         server.stop(grace_s=0.5)                          # leaves the job it just joined
         raise
     _write_port(args.port_file, server.port)
-    _serve_until_signalled(server, server.gave_up)
+    _serve_until_signalled(server, server.done)
     if server.gave_up_reason:
         print(f"shoal ps: error: {server.gave_up_reason}", file=sys.stderr)
         return server.gave_up_code
+    if server.job_exit_code:
+        print(f"shoal ps: the job failed: {server.job_result}", file=sys.stderr)
+        return server.job_exit_code
     return 0
 
 
@@ -227,7 +240,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(script.resolve().parent))
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except (Refused, Unreachable) as exc:          # one line, and a code that says whether to restart
+    except Refused as exc:
+        if JOB_FINISHED in str(exc):              # joined a job that has ended: nothing to do, not a failure
+            print(f"shoal worker: {str(exc).split(': ', 1)[-1]}; exiting", file=sys.stderr)
+            return 0
+        print(f"shoal worker: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Unreachable as exc:          # one line, and a code that says whether to restart
         print(f"shoal worker: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED if isinstance(exc, Refused) else EXIT_UNREACHABLE
     return 0
@@ -333,8 +352,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         snapshot = collect(args.chief)
     except grpc.RpcError as exc:
         raise Unavailable(f"cannot reach the chief at {args.chief}: {exc.code().name}") from exc
-    print(to_json(snapshot) if args.json else render(snapshot))
+    try:
+        print(to_json(snapshot) if args.json else render(snapshot), flush=True)
+    except BrokenPipeError:         # `shoal status | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
     return 0
+
+
+def _env_number(name: str, fallback: float, kind: type) -> float:
+    """A flag's default from ``$name``; a value that is not a number is one line naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return fallback
+    try:
+        return kind(raw)
+    except ValueError:
+        print(f"shoal: error: ${name}: {raw!r} is not {'an integer' if kind is int else 'a number'}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,13 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=os.environ.get("SHOAL_BIND", "127.0.0.1:7070"),
                    help="address to listen on (default loopback; 0.0.0.0:7070 for every interface)")
     security.add_token_arg(p)
-    p.add_argument("--num-shards", type=int, default=os.environ.get("SHOAL_NUM_SHARDS", "1"),
+    p.add_argument("--num-shards", type=int, default=_env_number("SHOAL_NUM_SHARDS", 1, int),
                    help="how many parameter shards (one per ps process)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),
                    help="SQLite file to keep the chief's state in; a restarted chief carries on from it")
     p.add_argument("--fresh", action="store_true", help="move an existing --journal aside and start the job over")
+    p.add_argument("--end-drain", type=float, default=os.environ.get("SHOAL_END_DRAIN", "30"),
+                   metavar="SECONDS",
+                   help="once the job has ended, keep the chief and its servers up at most this long (workers "
+                        "evaluate and read the final weights; default 30, sooner once no worker is left for a "
+                        "lease), then they all exit with the job's exit code; inf: until stopped")
     _job_args(p)
     _checkpoint_args(p)
     observe.add_args(p)
@@ -396,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the raw TCP data channel on the bind host (default 0: any free port)")
     p.add_argument("--no-data-channel", action="store_true",
                    help="offer no TCP data channel: workers push and pull over gRPC")
-    p.add_argument("--chief-timeout", type=float, default=float(os.environ.get("SHOAL_CHIEF_TIMEOUT", "300")),
+    p.add_argument("--chief-timeout", type=float, default=_env_number("SHOAL_CHIEF_TIMEOUT", 300.0, float),
                    help="give up (exit 69) after this many seconds without reaching the chief (default 300)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     observe.add_args(p, tensorboard=False)
@@ -452,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
     add_source_commands(sub, commands)
-    for module in (compose, k8s):        # deployment generators
+    for module in (compose, k8s, alert_rules):        # deployment generators
         module.add_command(sub, commands)
     return parser
 

@@ -19,6 +19,8 @@ from typing import IO, Any
 
 import grpc
 
+from shoal.alerts import count_lines
+
 LOG_LINE = re.compile(r"^\[(?P<name>[^\]]+)\] (?P<rest>.*)$", re.S)
 JOINED = re.compile(r"joined chief \S+ as (?P<member>\S+)")
 LEVEL = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) ")
@@ -242,7 +244,7 @@ def result_lines(summary: dict[str, Any], ok: bool, summary_path: str = "", log_
     failed = {k: v for k, v in summary.get("worker_exit_codes", {}).items() if v != 0}
     if failed:
         lines.append("  worker exits    " + ", ".join(f"{k}={v}" for k, v in sorted(failed.items())))
-    alerts = sum(1 for k in summary if k.startswith("alert/"))
+    alerts = count_lines(summary)          # the lines the roles printed ("alert: ..."), not the kinds
     if alerts:
         lines.append(f"  alerts          {alerts} (see the summary's alert/* entries)")
     if summary.get("tensorboard"):

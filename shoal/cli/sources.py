@@ -73,6 +73,17 @@ def autoscale_policy(args: argparse.Namespace):
         raise InvalidArgument(f"{args.config}: {exc}") from None
 
 
+def straggler_policy(args: argparse.Namespace):
+    """The chief's straggler handling: the job file's ``straggler_detection`` section (None without one)."""
+    from shoal.chief.stragglers import StragglerPolicy
+
+    section = load_job(args.config).section("straggler_detection") if getattr(args, "config", None) else {}
+    try:
+        return StragglerPolicy.from_section(section) if section else None
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{args.config}: {exc}") from None
+
+
 def job_config(job: JobFile) -> JobConfig:
     """The job file's training settings as the chief's :class:`JobConfig` (checks how they combine)."""
     values = {"mode": job.get("train.mode"), "backup_workers": job.get("train.backup_workers"),

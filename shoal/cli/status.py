@@ -65,7 +65,18 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                             "error": stats.checkpoint_error},
             "lost_shards": list(stats.lost_shards),
             "alerts": alerts_of(dict(stats.metrics)),
+            "job": _ending(stats),
             **_autoscale(stats)}
+
+
+def _ending(stats: pb.JobStats) -> dict[str, Any]:
+    """The job's phase (running, finished, closing; chief/lifecycle.py) and, once it ended, how."""
+    out: dict[str, Any] = {"phase": stats.job_phase or "running"}
+    if stats.job_result:
+        out.update(result=stats.job_result, exit_code=stats.job_exit_code,
+                   ended_seconds_ago=round(stats.job_ended_seconds_ago, 1),
+                   drain_left_seconds=round(stats.job_drain_left_seconds, 1))
+    return out
 
 
 def alerts_of(job_metrics: dict[str, float]) -> list[dict[str, Any]]:
@@ -83,7 +94,8 @@ def _autoscale(stats: pb.JobStats) -> dict[str, Any]:
     desired = stats.metrics.get("autoscale_desired_workers")
     if desired is None:
         return {}
-    return {"autoscale": {"desired_workers": int(desired), "live_workers": stats.workers_live}}
+    return {"autoscale": {"desired_workers": int(desired), "live_workers": stats.workers_live,
+                          "decisions": list(stats.autoscale_decisions)}}
 
 
 def replica_digests(chief: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
@@ -144,12 +156,21 @@ def exactly_once(s: dict[str, Any]) -> bool:
     return True
 
 
+def _state_word(s: dict[str, Any]) -> str:
+    job = s.get("job", {})
+    if job.get("result"):
+        word = "finished" if not job.get("exit_code") else f"FAILED (exit {job['exit_code']})"
+        return f"{word}: {job['result']}" + (" (closing)" if job.get("phase") == "closing" else "")
+    return "ready" if s["ready"] else "NOT READY"
+
+
 def render(s: dict[str, Any]) -> str:
-    out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {'ready' if s['ready'] else 'NOT READY'}; "
+    out = [f"job: mode {s['mode']}, view epoch {s['view_epoch']}, {_state_word(s)}; "
            f"epochs {s['epochs']['completed']}/{s['epochs']['total']}; tasks {s['tasks']['done']}/"
            f"{s['tasks']['total']} done, {s['tasks']['queue_depth']} queued; {s['totals']['steps']} steps",
            *([f"autoscaling: {s['autoscale']['desired_workers']} worker(s) wanted, "
               f"{s['autoscale']['live_workers']} live"] if "autoscale" in s else []),
+           *(f"  {line}" for line in s.get("autoscale", {}).get("decisions", [])[-3:]),
            "", f"{'member':<12} {'role':<7} {'state':<8} {'steps':>7} {'steps/s':>8} {'lag':>5}  flags"]
     ck = s.get("checkpoints", {})
     if ck.get("failed"):

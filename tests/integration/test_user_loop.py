@@ -197,7 +197,9 @@ def test_batchnorm_buffers_are_the_jobs_state_on_every_worker_and_in_the_export(
     opts = [DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, chief=c.chief_address) for m in models]
 
     def worker(i):
-        sampler = DistributedSampler(ds, batch_size=16, epochs=2, seed=0, trainer=opts[i].trainer)
+        # a third epoch stays untrained: the job is still running when the late worker joins (a worker that
+        # joins a job that has ended is turned away, chief/lifecycle.py)
+        sampler = DistributedSampler(ds, batch_size=16, epochs=3, seed=0, trainer=opts[i].trainer)
         for epoch in range(2):
             for idx, x, y in DataLoader(ds, batch_size=16, sampler=sampler):
                 opts[i].zero_grad()

@@ -78,3 +78,13 @@ def test_batch_noise_of_a_small_loss_is_not_a_spike():
 
     assert count(AlertConfig(deviations=0)) > 0
     assert count(AlertConfig()) == 0
+
+
+def test_the_endings_alert_count_is_the_lines_printed():
+    from shoal.alerts import count_lines
+
+    job = {"alert/loss_spike/worker-0": 31.0, "alert_count/loss_spike/worker-0": 3.0,
+           "alert/worker_lost/worker-1": 1.0, "alert_count/worker_lost/worker-1": 1.0,
+           "alert/grad_spike/worker-2": 7.0,           # from a worker that reports no count: one line
+           "train_loss": 0.3}
+    assert count_lines(job) == 5

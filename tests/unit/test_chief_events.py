@@ -48,3 +48,31 @@ def test_a_shard_refusing_a_workers_pushes_alerts_once_per_occurrence():
     assert r.observe({}, {}) == []                                   # a primary that did not answer: nothing
     assert r.observe({0: {"worker-1": 4}}, {0: 31}) == []            # a promoted backup counts from 0 again
     assert [e.value for e in r.observe({0: {"worker-1": 5}}, {0: 32})] == [32]   # and its refusals alert
+
+
+def test_a_worker_lost_without_leaving_is_one_alert_line(caplog):
+    import threading
+
+    from shoal.chief.state import ChiefState
+    from shoal.chief.telemetry import ChiefWatch
+    from shoal.config import JobConfig
+    from shoal.layout import ModelLayout, TensorSpec
+
+    now = [0.0]
+    state = ChiefState(JobConfig(lease_seconds=1.0), lambda: now[0])
+    a = state.join_worker(ModelLayout([TensorSpec("w", (4,), "float32")]))
+    state.join_worker(ModelLayout([TensorSpec("w", (4,), "float32")]))
+    reported = {}
+    watch = ChiefWatch(state, threading.Lock(), report=lambda member, values: reported.update(values))
+    try:
+        watch.poll()
+        now[0] = 5.0
+        state.tick()                 # both leases ran out: neither left
+        with caplog.at_level("WARNING", logger="shoal.chief.telemetry"):
+            watch.poll()
+            watch.poll()
+        lines = [r.getMessage() for r in caplog.records if "alert:" in r.getMessage()]
+        assert len(lines) == 2 and all("dropped without leaving" in line for line in lines)
+        assert f"alert/worker_lost/{a.member_id}" in reported
+    finally:
+        watch.stop()

@@ -50,7 +50,7 @@ def test_the_issue_sample_loads():
     ({"checkpointing": {"interval": "60x"}}, "checkpointing.interval: '60x'"),
     ({"checkpointing": {"interval": True}}, "checkpointing.interval: True"),
     ({"train": {"modes": "sync"}}, "train.modes: unknown setting; train has mode,"),
-    ({"trian": {"mode": "sync"}}, "trian: unknown setting; known sections: autoscaling,"),
+    ({"trian": {"mode": "sync"}}, "trian: unknown setting; known sections: alerts, autoscaling,"),
     ({"train": {"epochs": "ten"}}, "train.epochs: 'ten' is not an integer; allowed: an integer >= 1"),
     ({"train": {"mode": "fast"}}, "train.mode: 'fast' is not allowed; allowed: one of sync, async, ssp"),
     ({"train": {"mode": "async", "backup_workers": 1}}, "train.backup_workers: 1 needs train.mode sync"),
@@ -154,3 +154,23 @@ def test_a_launcher_names_the_job_file_for_the_script(tmp_path, monkeypatch):
     export_job_file(parser.parse_args(["worker", "--chief", "h:1", "--config", "rel/job.yaml", "t.py"]))
     import os
     assert os.environ["SHOAL_JOB_FILE"] == os.path.abspath("rel/job.yaml")
+
+
+def test_a_bad_shoal_variable_is_blamed_by_name_not_on_the_file(tmp_path, capsys, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: {lease_seconds: 3}\n")
+    with pytest.raises(InvalidArgument, match=r"^\$SHOAL_LEASE_SECONDS \(overriding the job file's "
+                                              r"cluster.lease_seconds\): 'abc' is not a number"):
+        load_job(job, env={"SHOAL_LEASE_SECONDS": "abc"})
+    monkeypatch.setenv("SHOAL_NUM_SHARDS", "x")
+    with pytest.raises(SystemExit) as exited:
+        main(["chief"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == "shoal: error: $SHOAL_NUM_SHARDS: 'x' is not an integer"
+
+
+def test_the_logging_and_alerts_sections_load_and_are_checked():
+    job = parse_job({"logging": {"tensorboard": "runs/tb"}, "alerts": {"loss_spike": 3, "warmup": 20}}, env={})
+    assert job.get("logging.tensorboard") == "runs/tb" and job.get("alerts.loss_spike") == 3.0
+    with pytest.raises(InvalidArgument, match=r"alerts.loss_spike: 1 is not allowed; allowed: a number above 1"):
+        parse_job({"alerts": {"loss_spike": 1}}, env={})

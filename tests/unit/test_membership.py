@@ -170,15 +170,26 @@ def test_graceful_leave_returns_tasks_immediately(clock):
 
 
 def test_stragglers_are_flagged_against_the_median(clock):
-    s = ChiefState(JobConfig(), clock, straggler_factor=2.0)
+    from shoal.chief.stragglers import HOLD, MIN_STEPS
+    from shoal.members import Counters
+    s = ChiefState(JobConfig(mode="async"), clock, straggler_factor=2.0)    # sync goes by its rounds
     ws = [s.join_worker(LAYOUT) for _ in range(4)]
     spec = DatasetSpec(size=400, batch_size=10, epochs=1, batches_per_task=1)
     for w in ws:
         s.take_tasks(w.member_id, spec, 1)
     for w, secs in zip(ws, (0.10, 0.11, 0.12, 0.35)):
-        s.heartbeat(w.member_id, step_seconds=secs)
+        s.heartbeat(w.member_id, Counters(steps=5), step_seconds=secs)
+    for _ in range(HOLD):
+        s.watch_stragglers()
+    assert s.stragglers() == set()          # its first steps: not judged yet
+    for w in ws:
+        s.heartbeat(w.member_id, Counters(steps=MIN_STEPS))
+    for _ in range(HOLD):
+        s.watch_stragglers()                # found slow HOLD times in a row
     assert s.stragglers() == {ws[3].member_id}
     s.heartbeat(ws[3].member_id, step_seconds=0.2)
+    for _ in range(HOLD):
+        s.watch_stragglers()
     assert s.stragglers() == set()
 
 

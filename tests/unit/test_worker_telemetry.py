@@ -57,7 +57,7 @@ def test_alerts_and_the_mean_loss_reach_the_chief_once():
     wait_until(lambda: len(tel.raised) == 1, timeout_s=10, what="the loss spike alert")
     tel.close()
     assert [(a.kind, a.member, a.step) for a in tel.raised] == [("loss_spike", "worker-3", 8)]
-    assert {"alert/loss_spike/worker-3": 8.0} in sent
+    assert {"alert/loss_spike/worker-3": 8.0, "alert_count/loss_spike/worker-3": 1.0} in sent
     assert [v["train_loss"] for v in sent if "train_loss" in v] == [(10 * 1.0 + 2 * 50.0) / 12]
 
 
@@ -70,3 +70,16 @@ def test_an_unwritable_tensorboard_dir_is_one_warning_and_training_goes_on(tmp_p
     tel.close()
     warnings = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert len(warnings) == 1 and "cannot write TensorBoard events" in warnings[0].getMessage()
+
+
+def test_tensorboard_steps_are_the_jobs_applied_updates_so_workers_overlay(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tel = WorkerTelemetry(lambda: "worker-1", tensorboard=str(tmp_path))
+    for step, job_step in ((1, 40), (2, 43), (3, 47)):       # the others applied updates in between
+        tel.record(StepRecord(step=step, wall=1.0 + step, samples=4, loss=1.0, phases={"push": 0.01},
+                              job_step=job_step))
+    tel.close()
+    ea = EventAccumulator(str(tmp_path / "worker-1"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/loss")] == [40, 43, 47]
