@@ -55,7 +55,7 @@ def cluster(num_ps, root, mode="sync"):
 def job_stats(c):
     ch = open_channel(c.chief_address)
     try:
-        return pb_grpc.ChiefStub(ch).GetJobStats(pb.Empty(), timeout=5)
+        return pb_grpc.ChiefStub(ch).GetJobStats(pb.Empty(), timeout=5, wait_for_ready=True)  # a chief just restarted
     finally:
         ch.close()
 
