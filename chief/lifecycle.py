@@ -24,7 +24,7 @@ import math
 from enum import Enum
 from typing import Callable
 
-from shoal.errors import EXIT_ROLLBACK, EXIT_JOB_FAILED
+from shoal.errors import EXIT_ROLLBACK, EXIT_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -141,14 +141,14 @@ class JobLifecycle:
             return Ending(f"{done}, final checkpoint step {ck.committed_step}")
         if ck.failures >= FINAL_CHECKPOINT_ATTEMPTS:
             return Ending(f"{done} but the final checkpoint failed {ck.failures} times ({ck.error})",
-                          EXIT_JOB_FAILED)
+                          EXIT_FAILED)
         return None                  # waiting for the final checkpoint
 
     def _end(self, ending: Ending) -> None:
         self.phase, self.ending, self.ended_at = Phase.FINISHED, ending, self._clock()
         self._no_workers_since = None
 
-    def fail(self, why: str, exit_code: int = EXIT_JOB_FAILED) -> list[str]:
+    def fail(self, why: str, exit_code: int = EXIT_FAILED) -> list[str]:
         """The job ends as failed now (whatever phase it is in), for a reason outside :meth:`step`."""
         if self.phase is not Phase.RUNNING:
             return []

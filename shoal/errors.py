@@ -73,7 +73,9 @@ HANDED_OVER = "handed over to its backup"
 EXIT_OK = 0
 
 # Crashed: a traceback, a journal the chief cannot write (maybe a full disk), a worker's script that
-# failed. Worth a restart (the chief carries on from its journal).
+# failed. Worth a restart (the chief carries on from its journal). Also what the chief and its servers exit
+# with when the job ended as failed for a reason without a code of its own (every task done but the final
+# checkpoint could not be kept); the reason is one line.
 EXIT_FAILED = 1
 
 # Exit status of a bad command line or settings file (argparse's own): "bad settings".
@@ -129,10 +131,6 @@ def outcome(code: int) -> str:
     if code < 0:
         return f"killed by signal {-code}"
     return OUTCOMES.get(code, f"exit {code}")
-
-# Exit status of the chief and its servers when the job ended as failed for a reason without a code of
-# its own (e.g. every task done but the final checkpoint could not be kept); the reason is one line.
-EXIT_JOB_FAILED = 1
 
 # In the chief's refusal of a worker that joins a job that has ended: the worker exits 0 with one line.
 JOB_FINISHED = "the job has finished"
