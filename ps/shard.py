@@ -20,6 +20,7 @@ import torch
 
 from shoal.ps.changes import ChangeLog
 from shoal.ps.shard_copies import ShardCopies
+from shoal.ps.shard_tables import Rows, ShardTables
 from shoal.ps.sparse import RoundSum, SparseGrad
 from shoal.ps.update import PushResult, Update, count_nonfinite
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
@@ -95,6 +96,23 @@ class Shard(ShardCopies):
         self.fenced = ""          # why this copy may no longer take pushes (another ps is primary)
         self.nonfinite = "refuse"  # the job's --nonfinite policy (the host sets it from the job)
         self._nonfinite_streak: dict[str, int] = {}
+        self.tables = ShardTables(shard_id)    # embedding tables' partitions held here (ps/shard_tables.py)
+
+    def declare_tables(self, specs: list[dict], num_shards: int) -> list[str]:
+        """Holds partition ``shard_id`` of each table in ``specs`` (those held already must match)."""
+        with self._cond:
+            return self.tables.declare(specs, num_shards)
+
+    def lookup_rows(self, table: str, ids: np.ndarray) -> tuple[int, np.ndarray]:
+        """``(version, rows)`` of unique ``ids`` of ``table`` (rows never updated: their initial value)."""
+        with self._cond:
+            self._check_not_fenced()
+            return self.version, self.tables.lookup(table, ids)
+
+    def table_status(self) -> list[dict]:
+        """Rows, bytes and bytes per row of each table's partition here (shoal status, metrics)."""
+        with self._cond:
+            return self.tables.status()
 
     @property
     def numel(self) -> int:
@@ -109,7 +127,7 @@ class Shard(ShardCopies):
     def push(self, worker: str, version: int, grad: torch.Tensor | SparseGrad, key: str = "",
              batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
              sparse: bool = False, hparams: dict[str, float] | None = None,
-             batches: tuple[BatchKey, ...] = (), exact: str = "") -> PushResult:
+             batches: tuple[BatchKey, ...] = (), exact: str = "", rows: Rows = ()) -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
@@ -122,7 +140,9 @@ class Shard(ShardCopies):
         ``hparams``: the user's current hyper-parameters (``"0.lr"``, ...; an LR scheduler's); the
         update that applies this push steps with the newest a push of its round carried. ``exact``: a
         narrower dtype that holds every value of ``grad`` exactly (``"bfloat16"``: a bf16 push); an
-        update of this push alone travels to the backup in it (ps/update_wire.py).
+        update of this push alone travels to the backup in it (ps/update_wire.py). ``rows``: the row
+        gradients of the embedding tables' ids this shard holds ``(table, ids, fp32 (n, dim))``, applied
+        with the dense gradient in the same update (summed per id over a sync round and averaged).
         """
         named = (batch, *batches) if batch is not None else tuple(batches)
         sparse = sparse or isinstance(grad, SparseGrad)
@@ -130,6 +150,10 @@ class Shard(ShardCopies):
         if shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {shape}")
         bad = count_nonfinite(grad.values if isinstance(grad, SparseGrad) else grad)
+        if rows:
+            with self._cond:
+                rows = self.tables.check_push(rows)
+            bad += self.tables.count_nonfinite(rows)
         if bad:
             return self._refuse_nonfinite(worker, bad)
         if hparams:
@@ -176,6 +200,7 @@ class Shard(ShardCopies):
                 self._round_sparse, self._round_exact = self._round_sparse and sparse, ""
                 self._round_sum.add(grad)
             self._round_workers.add(worker)
+            self.tables.join_round(rows)
             self._nonfinite_streak.pop(worker, None)
             if hparams:
                 self._round_hparams.update(hparams)
@@ -244,7 +269,7 @@ class Shard(ShardCopies):
         grad = self._round_sum.average(n)
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
                         tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())),
-                        self._round_exact)
+                        self._round_exact, self.tables.close_round(n))
         r = self.replicator
         start = getattr(r, "start", None)
         if r is None:
@@ -303,6 +328,7 @@ class Shard(ShardCopies):
         self.fenced = self.fenced or why
         self._round_sum, self._round_workers, self._round_keys, self._round_batches = None, set(), [], {}
         self._round_present = set()
+        self.tables.clear_round()
         self._cond.notify_all()
 
     def _check_not_fenced(self) -> None:
@@ -318,6 +344,8 @@ class Shard(ShardCopies):
 
     def _apply(self, u: Update) -> None:
         """Takes one optimizer step (lock held): the same code on a primary and on its backup."""
+        if u.rows:              # first: a refused row update leaves the dense slice as it was too
+            self.tables.apply(u.rows, u.version)
         if u.hparams:
             self._opt.set_hparams(dict(u.hparams))
             self.applied_hparams = self._opt.hparams()
@@ -353,6 +381,7 @@ class Shard(ShardCopies):
             raise InvalidArgument(f"shard {self.shard_id}: the update to version {u.version} holds {bad} "
                                   f"non-finite value(s) (NaN/Inf); not applied")
         with self._cond:
+            self.tables.check_update(u.rows)
             check()
             if u.version <= self.version:
                 return self.version

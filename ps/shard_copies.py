@@ -28,7 +28,8 @@ class ShardCopies:
             return ShardState(self.shard_id, start, start + self.numel, self._param.detach().clone(),
                               self.optimizer_spec.saved_name, dict(self.optimizer_spec.hparams),
                               copy.deepcopy(self._opt.state_dict()), self.version,
-                              {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint})
+                              {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint,
+                               **({"tables": self.tables.export()} if self.tables else {})})
 
     def export_replica(self) -> dict:
         """Everything a new backup needs to continue as this shard's copy (lock held by the caller or not)."""
@@ -50,6 +51,7 @@ class ShardCopies:
         """``(version, sha256)`` of the weights and the optimizer state: equal on identical copies."""
         with self._cond:
             h = hashlib.sha256(self._param.detach().numpy().tobytes())
+            self.tables.digest_into(h)
             for _, st in sorted(self._opt.state_dict()["state"].items()):
                 for name in sorted(st):
                     v = st[name]
@@ -67,4 +69,6 @@ class ShardCopies:
         s.version = int(state.version)
         s.changes = ChangeLog(s.numel, s.version, s.optimizer_spec)
         s.ledger = ledger_from_extra(state.extra)
+        if state.extra.get("tables"):
+            s.tables.restore(state.extra["tables"])
         return s

@@ -40,6 +40,8 @@ from shoal.errors import InvalidArgument
 from shoal.layout import ModelLayout
 from shoal.optim import OPTIMIZERS, numeric_hparams
 from shoal.worker.accumulate import Accumulation
+from shoal.worker.embedding import swap_meta_embeddings
+from shoal.worker.tables import row_defaults
 from shoal.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,31 @@ def _registered(cls: type, groups: list, num_params: int) -> OptimizerSpec | Non
     same = all(probe.get(k) == v or (isinstance(v, (tuple, list)) and tuple(v) == tuple(probe.get(k, ())))
                for k, v in h.items() if k not in _SPEED_FLAGS)
     return spec if same else None
+
+
+def _serve_meta_tables(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[str, dict[str, float]]:
+    """The model's ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` on the ``meta`` device become tables served
+    by the parameter servers (shoal/worker/embedding.py); their weights leave the optimizer's param groups, and
+    the row optimizer is the one the user's optimizer (or the group that held the weight) stands for.
+    Returns the default row optimizer for tables that name none."""
+    swapped = swap_meta_embeddings(model)
+    held = {id(w): m for _, w, m in swapped}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            m = held.get(id(p))
+            if m is not None and m.row_optimizer is None:
+                m.row_optimizer, m.hyper = row_defaults_of_group(optimizer, group)
+        group["params"] = [p for p in group["params"] if id(p) not in held]
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]] or optimizer.param_groups[:1]
+    for path, _, _ in swapped:
+        log.info("%s (on the meta device) is served by the parameter servers", path)
+    return row_defaults(optimizer)
+
+
+def row_defaults_of_group(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, dict[str, float]]:
+    name, _ = row_defaults(optimizer)
+    lr = group.get("lr")
+    return name, ({"lr": float(lr)} if isinstance(lr, (int, float)) else {})
 
 
 class _Distributed:
@@ -186,6 +213,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if isinstance(optimizer, _Distributed):
         raise InvalidArgument("this optimizer is already a DistributedOptimizer")
     Accumulation((), backward_passes_per_step, trainer_options.get("overlap", False))  # checked before joining
+    trainer_options.setdefault("table_defaults", _serve_meta_tables(optimizer, model))
     spec = spec_from_torch(optimizer, model)
     # pushes start at step(), after whatever the loop does to the gradients (clipping, a GradScaler's
     # unscale_); overlap=True starts each shard's push during backward() instead, for speed

@@ -1,0 +1,144 @@
+"""The worker's half of the embedding tables: lookups by shard, and each step's row gradients.
+
+A :class:`TableRouter` serves the :mod:`shoal.worker.embedding` modules of a Trainer's model. A
+forward hands it the batch's unique ids of a table; it asks each shard that holds some of them
+(:func:`shoal.tables.partition_of`) for their rows, in parallel, at the version the worker's dense
+weights of that shard are at (a sync worker sees the rows of the same round as its weights), and
+follows the view when a shard moves. The rows come back as a leaf tensor that autograd fills with
+their gradient; :meth:`TableRouter.collect` sums those per id over the step's forwards and splits
+them by shard, and each shard's push carries its part as its last frame (``codec "rows"``), under
+the push's idempotency key.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+import torch
+
+from shoal.errors import InvalidArgument
+from shoal.tables import pack_rows, specs_to_json, split_by_shard, sum_rows
+from shoal.worker.embedding import find_tables
+from shoal.worker.routes import is_failover
+
+log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 60.0
+
+
+class TableRouter:
+    """Serves the tables of ``model`` from the shards of a Trainer (``trainer``: its clients, versions, routes)."""
+
+    def __init__(self, model: torch.nn.Module, num_shards: int, trainer: Any,
+                 defaults: tuple[str, dict[str, float]] = ("sgd", {})):
+        self.modules = find_tables(model)
+        self.num_shards = num_shards
+        self.trainer = trainer
+        self.defaults = defaults
+        names = [n for n, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"two served tables share a name: {names}")
+        for name, m in self.modules:
+            m.table_name, m._router = name, self
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in names}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, num_shards), thread_name_prefix="rows") \
+            if self.modules else None
+        self.rows_pulled = 0
+        self.rows_pushed = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def specs(self) -> list[dict]:
+        """The tables' declarations (``shoal.ps.tables.TableSpec`` fields)."""
+        out = []
+        for name, m in self.modules:
+            opt, hyper = (m.row_optimizer, {}) if m.row_optimizer else self.defaults
+            if m.row_optimizer and m.row_optimizer == self.defaults[0]:
+                hyper = dict(self.defaults[1])
+            out.append({"name": name, "dim": m.embedding_dim, "num_embeddings": m.num_embeddings,
+                        "optimizer": opt, "hyper": {**hyper, **m.hyper}, "init_std": m.init_std, "seed": m.seed,
+                        "evict_after_steps": m.evict_after_steps, "evict_min_count": m.evict_min_count})
+        return out
+
+    def specs_json(self) -> str:
+        return specs_to_json(self.specs()) if self.modules else ""
+
+    # ------------------------------------------------------------ forward
+
+    def lookup(self, module: Any, uniq: torch.Tensor) -> torch.Tensor:
+        """The rows (fp32, ``(len(uniq), dim)``) of the unique ids ``uniq`` of ``module``'s table."""
+        ids = uniq.numpy()
+        out = np.empty((len(ids), module.embedding_dim), dtype=np.float32)
+        parts = split_by_shard(ids, self.num_shards)
+        assert self._pool is not None
+        futures = {k: self._pool.submit(self._fetch, k, module, np.ascontiguousarray(ids[pos]))
+                   for k, pos in parts.items()}
+        for k, pos in parts.items():
+            out[pos] = futures[k].result()
+        self.rows_pulled += len(ids)
+        return torch.from_numpy(out)
+
+    def _fetch(self, shard: int, module: Any, ids: np.ndarray) -> np.ndarray:
+        """One shard's rows, at the version of the worker's weights of that shard or later."""
+        while True:
+            client = self.trainer._clients[shard]
+            try:
+                rows, _ = client.lookup_rows(module.table_name, ids, min_version=self.trainer.versions.get(shard, 0),
+                                             dtype=module.dtype_on_wire, timeout_s=LOOKUP_TIMEOUT_S)
+                return rows
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    log.info("shard %d: rows of %s still waiting for version %d", shard, module.table_name,
+                             self.trainer.versions.get(shard, 0))
+                    continue
+                if not is_failover(exc):
+                    raise
+                self.trainer.routes.reroute(shard, client, exc)
+
+    def record(self, module: Any, uniq: torch.Tensor, rows: torch.Tensor) -> None:
+        """A training forward's rows: their gradient goes with the next push."""
+        self._pending[module.table_name].append((uniq, rows))
+
+    # ------------------------------------------------------------ step
+
+    def zero_grad(self) -> None:
+        """As torch's ``zero_grad()``: gradients from earlier backward passes are dropped; rows of a forward
+        whose backward has not run yet stay recorded."""
+        for name, recs in self._pending.items():
+            self._pending[name] = [(u, r) for u, r in recs if r.grad is None]
+
+    def collect(self) -> dict[int, bytes]:
+        """This step's row gradients summed per id, as one :func:`shoal.tables.pack_rows` blob per shard
+        that holds some; the records are cleared."""
+        by_shard: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+        for name, m in self.modules:
+            recs, self._pending[name] = self._pending[name], []
+            parts = [(u.numpy(), r.grad.detach().cpu().numpy()) for u, r in recs if r.grad is not None]
+            if not parts:
+                continue
+            ids, grads = sum_rows(parts, m.embedding_dim)
+            self.rows_pushed += len(ids)
+            for k, pos in split_by_shard(ids, self.num_shards).items():
+                by_shard.setdefault(k, []).append((name, ids[pos], grads[pos]))
+        return {k: pack_rows(t) for k, t in by_shard.items()}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for _, m in self.modules:
+            m._router = None
+
+
+def row_defaults(optimizer: Any) -> tuple[str, dict[str, float]]:
+    """The row optimizer a user's torch optimizer stands for (for tables without ``optimizer=``):
+    Adagrad -> adagrad, Adam/AdamW/SparseAdam -> adam, anything else -> sgd; with its first group's lr."""
+    name = type(optimizer).__name__
+    row = {"Adagrad": "adagrad", "Adam": "adam", "AdamW": "adam", "SparseAdam": "adam"}.get(name, "sgd")
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    return row, ({"lr": float(lr)} if isinstance(lr, (int, float)) else {})
+
+
