@@ -59,7 +59,7 @@ def table_rows(c) -> dict[int, int]:
 
 def test_a_table_of_2_to_the_40_rows_trains_async_and_no_worker_holds_it(cluster_factory):
     c = cluster_factory(2, mode="async")
-    ids, y, keys = planted(512)
+    ids, y, _ = planted(512)
     model = Ctr(ShardedEmbedding(HUGE, 4, optimizer="sgd", hyper={"lr": 0.2}, init_std=0.1))
     assert list(model.state_dict()) == ["head.weight", "head.bias"]       # the table is not the worker's
     t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1)
@@ -74,7 +74,7 @@ def test_a_table_of_2_to_the_40_rows_trains_async_and_no_worker_holds_it(cluster
         print(f"mse {before:.4f} -> {after:.4f}")
         assert after < 0.1 * before
         # every row the batches touched is held by the shard partition_of names, and nothing else
-        want = np.bincount(partition_of(keys, 2), minlength=2)
+        want = np.bincount(partition_of(np.unique(ids.numpy()), 2), minlength=2)
         assert table_rows(c) == {0: int(want[0]), 1: int(want[1])}
         assert_exactly_once(c, 512, 32, 6)
         assert t.tables.rows_pushed > 0 and t.tables.rows_pulled > 0
@@ -210,5 +210,36 @@ def test_backups_hold_the_same_rows_as_their_primaries(cluster_factory):
         for k in (0, 1):
             assert got[k]["primary"] == got[k]["backup"], f"shard {k}: the backup's rows differ"
         assert sum(table_rows(c).values()) == 40
+    finally:
+        t.close()
+
+
+def test_status_and_metrics_show_each_tables_rows_and_memory(cluster_factory):
+    from shoal.cli.status import collect, render
+    from shoal.ps.telemetry import collector
+
+    c = cluster_factory(2, mode="async", replicas=1)
+    ids, y, _ = planted(128, seed=5)
+    model = Ctr(ShardedEmbedding(HUGE, 4, hyper={"lr": 0.1}))
+    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1)
+    try:
+        for xb, yb in t.batches((ids, y), batch_size=32, epochs=1):
+            t.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            t.step()
+        status = collect(c.chief_address)
+        tables = {sh["shard"]: sh["tables"] for sh in status["shards"]}
+        want = np.bincount(partition_of(np.unique(ids.numpy()), 2), minlength=2)     # the ids trained
+        for k in (0, 1):
+            (tab,) = tables[k]
+            assert (tab["name"], tab["rows"], tab["dim"], tab["num_embeddings"]) == ("emb", want[k], 4, HUGE)
+            assert tab["bytes"] == tab["rows"] * tab["bytes_per_row"] > 0
+        text = render(status)
+        assert f"emb              0      {want[0]:>12,}" in text and "1,099,511,627,776 x 4, sgd" in text
+        families = {f.name: f for ps in c.servers for f in collector(ps.host)()}
+        rows = {s.labels["shard"]: s.value for ps in c.servers for f in collector(ps.host)()
+                if f.name == "shoal_table_rows" for s in f.samples}
+        assert rows == {"0": want[0], "1": want[1]}
+        assert "shoal_table_bytes" in families and "shoal_table_bytes_per_row" in families
     finally:
         t.close()
