@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.layout import ModelLayout, ShardPlan, TensorSpec
@@ -105,6 +105,12 @@ class Checkpoint:
         version, extra = self._version_extra(start, stop, pieces)
         return ShardState(k, start, stop, values.clone(), name, hparams,
                           opt_state_from_flat(name, tensors, scalars, hparams), version, extra)
+
+    def shard_extra(self, k: int) -> dict[str, Any]:
+        """What saved shard ``k``'s file holds besides its slice (ledger, embedding tables' partitions)."""
+        if not 0 <= k < self.num_shards:
+            raise InvalidArgument(f"shard {k} is outside checkpoint {self.path}'s {self.num_shards} shard(s)")
+        return dict(self._payload(k).get("extra") or {})
 
     # ------------------------------------------------------------ internals
 
@@ -292,8 +298,10 @@ def export_to_file(ckpt_path_or_root: str | Path, out_path: str | Path) -> Path:
     return export_checkpoint(ckpt_path_or_root, out_path)[0]
 
 
-def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path) -> tuple[Path, "Checkpoint"]:
-    """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path)."""
+def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path,
+                      extend: Callable[["Checkpoint", dict, Path], Any] | None = None) -> tuple[Path, "Checkpoint"]:
+    """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path). ``extend(ckpt,
+    state_dict, out)`` may add to the state_dict before it is written (``shoal export``: embedding tables)."""
     import torch
 
     src = Path(ckpt_path_or_root)
@@ -302,7 +310,10 @@ def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path) -> tu
         raise NotFound(f"no valid checkpoint under {src}")
     out = Path(out_path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(export_state_dict(ckpt), tmp)
+    state = export_state_dict(ckpt)
+    if extend is not None:
+        extend(ckpt, state, out)
+    torch.save(state, tmp)
     os.replace(tmp, out)
     log.info("exported %s (step %d, %d parameter(s)) to %s", ckpt.path, ckpt.step, len(ckpt.layout), out)
     return out, ckpt

@@ -182,3 +182,50 @@ def specs_from_json(text: str) -> list[dict[str, Any]]:
     if not isinstance(specs, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in specs):
         raise InvalidArgument(f"table declarations must be a list of objects with a name, got {text[:200]!r}")
     return specs
+
+
+# ---------------------------------------------------------------- exported dynamic tables
+
+ROWS_FILE_SUFFIX = ".rows.npz"
+
+
+def write_rows_file(path: str, spec: dict[str, Any], ids: np.ndarray, rows: np.ndarray) -> None:
+    """A dynamic table as ``shoal export`` writes it: an uncompressed ``.npz`` holding ``ids`` (int64, sorted),
+    ``rows`` (fp32, one per id) and ``spec`` (the table's declaration as JSON)."""
+    order = np.argsort(ids, kind="stable")
+    with open(path, "wb") as f:
+        np.savez(f, ids=np.ascontiguousarray(ids[order], dtype=np.int64),
+                 rows=np.ascontiguousarray(rows[order], dtype=np.float32), spec=np.array(json.dumps(spec)))
+
+
+class RowsFile:
+    """The reader of an exported dynamic table (``<out>.<table>.rows.npz``)::
+
+        table = RowsFile("model.pt.emb.rows.npz")
+        table.spec["dim"], len(table)          # its declaration, how many rows it held
+        vecs = table.lookup(np.array([42, 7]))  # the rows of these ids (KeyError for an id it never held)
+        table.ids, table.rows                   # everything: sorted int64 ids, fp32 rows
+
+    The file is plain NumPy (``np.load(path)["ids"]``, ``["rows"]``, ``["spec"]``): no shoal needed to read it.
+    """
+
+    def __init__(self, path: str):
+        with np.load(path, allow_pickle=False) as z:
+            missing = {"ids", "rows", "spec"} - set(z.files)
+            if missing:
+                raise InvalidArgument(f"{path} is not an exported table: it lacks {sorted(missing)}")
+            self.ids, self.rows, self.spec = z["ids"], z["rows"], json.loads(str(z["spec"]))
+        if self.rows.shape != (len(self.ids), self.spec.get("dim")):
+            raise InvalidArgument(f"{path}: {self.rows.shape} rows for {len(self.ids)} ids of dim {self.spec.get('dim')}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        at = np.searchsorted(self.ids, ids)
+        held = (at < len(self.ids)) & (self.ids[np.minimum(at, len(self.ids) - 1)] == ids) if len(self.ids) else \
+            np.zeros(len(ids), bool)
+        if not held.all():
+            raise KeyError(f"id {int(ids[~held][0])} is not in the table (it was never updated, or was evicted)")
+        return self.rows[at]

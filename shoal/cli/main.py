@@ -273,11 +273,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shoal.checkpoint import export_checkpoint
     from shoal.checkpoint_store import read_failure
 
+    from shoal.cli.tables_export import export_tables
+
+    tables: list[str] = []
     try:
-        out, ckpt = export_checkpoint(args.checkpoint, args.out)
+        out, ckpt = export_checkpoint(args.checkpoint, args.out,
+                                      lambda ck, state, path: tables.extend(export_tables(ck, state, path)))
     except OSError as exc:
         raise ShoalError(f"cannot export {args.checkpoint} to {args.out}: {exc}") from exc
     print(f"wrote {out}: step {ckpt.step} from {ckpt.path}")
+    for line in tables:
+        print(f"  {line}")
     failure = read_failure(Path(ckpt.path).parent)
     if failure is not None and failure["step"] > ckpt.step:
         print(f"warning: {failure.get('failures', 1)} later checkpoint attempt(s) failed, the newest at step "
@@ -330,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare(sub, _job_args)
     sub.choices["compare"].set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
+    p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save); "
+                                      "fixed embedding tables go into it, dynamic ones beside it as "
+                                      "<out>.<table>.rows.npz")
     p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
     p.add_argument("out", help="output file, e.g. model.pt")
     p.set_defaults(func=cmd_export)
