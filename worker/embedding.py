@@ -148,6 +148,22 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, _Served]]:
     return [(name or type(m).__name__, m) for name, m in model.named_modules() if isinstance(m, _Served)]
 
 
+def table_options(module: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """Settles how the parameter servers serve a user's ``nn.Embedding``/``nn.EmbeddingBag`` built on the
+    ``meta`` device (whose own initialisation never runs): the extra keywords of :class:`ShardedEmbedding`
+    (``optimizer``, ``hyper``, ``init_std``, ``seed``, ``evict_after_steps``, ``evict_min_count``,
+    ``dtype_on_wire``). Returns the module::
+
+        self.table = table_options(nn.EmbeddingBag(rows, 16, mode="sum", sparse=True, device="meta"), init_std=0.05)
+    """
+    known = {"optimizer", "hyper", "init_std", "seed", "evict_after_steps", "evict_min_count", "dtype_on_wire"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown table option(s) {unknown}; known: {sorted(known)}")
+    module.shoal_table_options = dict(options)
+    return module
+
+
 def swap_meta_embeddings(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, _Served]]:
     """Replaces each ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` built on the ``meta`` device by the
     served module of the same configuration; returns ``(path, its old weight, new module)`` for each."""
@@ -161,13 +177,14 @@ def swap_meta_embeddings(model: torch.nn.Module) -> list[tuple[str, torch.nn.Par
                 raise InvalidArgument(f"{path}: an {type(child).__name__} on the meta device is served by the "
                                       f"parameter servers only with sparse=True")
             n, d = child.weight.shape
+            options = getattr(child, "shoal_table_options", {})
             if isinstance(child, torch.nn.Embedding):
                 new: _Served = ShardedEmbedding(n, d, child.padding_idx, child.max_norm,
-                                                scale_grad_by_freq=child.scale_grad_by_freq)
+                                                scale_grad_by_freq=child.scale_grad_by_freq, **options)
             else:
                 new = ShardedEmbeddingBag(n, d, child.max_norm, scale_grad_by_freq=child.scale_grad_by_freq,
                                           mode=child.mode, include_last_offset=child.include_last_offset,
-                                          padding_idx=child.padding_idx)
+                                          padding_idx=child.padding_idx, **options)
             new.train(child.training)
             setattr(parent, child_name, new)
             out.append((path, child.weight, new))

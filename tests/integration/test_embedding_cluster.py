@@ -243,3 +243,34 @@ def test_status_and_metrics_show_each_tables_rows_and_memory(cluster_factory):
         assert "shoal_table_bytes" in families and "shoal_table_bytes_per_row" in families
     finally:
         t.close()
+
+
+def test_sparse_adam_over_the_table_and_adam_over_the_rest_as_in_one_process(cluster_factory):
+    from shoal.worker.embedding import table_options
+
+    c = cluster_factory(2, mode="async")
+    ids, y, _ = planted(256, seed=6)
+    model = Ctr(table_options(torch.nn.Embedding(HUGE, 4, sparse=True, device="meta"), init_std=0.01))
+    table_opt = torch.optim.SparseAdam([model.emb.weight], lr=0.05)
+    dense_opt = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    opts = [DistributedOptimizer(table_opt, model, chief=c.chief_address),
+            DistributedOptimizer(dense_opt, model, chief=c.chief_address)]
+    try:
+        spec = model.emb.table_name, model.emb.row_optimizer, model.emb.init_std
+        assert spec == ("emb", "adam", 0.01)
+        before = loss_on(model, ids, y)
+        for xb, yb in opts[1].trainer.batches((ids, y), batch_size=32, epochs=4):
+            for o in opts:
+                o.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            for o in opts:
+                o.step()
+        opts[0].synchronize()
+        after = loss_on(model, ids, y)
+        print(f"SparseAdam rows + Adam dense: mse {before:.4f} -> {after:.4f}")
+        assert after < 0.3 * before
+        with pytest.raises(Exception, match="before the dense one"):
+            DistributedOptimizer(torch.optim.SparseAdam([torch.nn.Embedding(3, 4, sparse=True, device="meta").weight]),
+                                 model, chief=c.chief_address)
+    finally:
+        opts[1].close()
