@@ -344,7 +344,7 @@ class Shard(ShardCopies):
 
     def _apply(self, u: Update) -> None:
         """Takes one optimizer step (lock held): the same code on a primary and on its backup."""
-        if u.rows:              # first: a refused row update leaves the dense slice as it was too
+        if self.tables:         # first: a refused row update leaves the dense slice as it was too
             self.tables.apply(u.rows, u.version)
         if u.hparams:
             self._opt.set_hparams(dict(u.hparams))

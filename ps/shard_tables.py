@@ -18,6 +18,8 @@ import numpy as np
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.tables import partition_of, sum_rows
 
+EVICT_EVERY = 64      # shard versions between two eviction passes over the tables that evict
+
 Rows = tuple[tuple[str, np.ndarray, np.ndarray], ...]     # (table, unique ids, fp32 (n, dim) values) each
 
 
@@ -129,9 +131,14 @@ class ShardTables:
             raise InvalidArgument(f"shard {self.shard}: an update's rows hold {bad} non-finite value(s) (NaN/Inf)")
 
     def apply(self, rows: Rows, version: int) -> None:
-        """One update's rows (the same call on a primary and on its backup)."""
+        """One update's rows (the same call on a primary and on its backup); every :data:`EVICT_EVERY`
+        versions, an eviction pass over the tables that evict (deterministic: the backup drops the same rows)."""
         for name, ids, grads in rows:
             self.tables[name].apply(ids, grads, version)
+        if version % EVICT_EVERY == 0:
+            for table in self.tables.values():
+                if table.spec.evicts:
+                    table.evict(version)
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         table = self.table(name)

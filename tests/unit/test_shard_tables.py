@@ -111,3 +111,22 @@ def test_the_backup_and_a_copy_hold_the_primarys_rows_and_row_state(optimizer):
     copy = Shard.from_replica(primary.export_replica(), AsyncRule())
     assert copy.digest() == primary.digest()
     assert copy.tables.specs() == primary.tables.specs()
+
+
+def test_eviction_passes_run_on_primary_and_backup_alike():
+    from shoal.ps.shard_tables import EVICT_EVERY
+
+    def evicting():
+        s = Shard(0, torch.zeros(2), SGD, AsyncRule(), "fp")
+        s.declare_tables([{**spec(), "evict_after_steps": 8}], 2)
+        return s
+    primary, backup = evicting(), evicting()
+    primary.replicator = lambda u: backup.apply_replica(u)
+    primary.set_live_workers({"a"})
+    early, late = mine(count=2)
+    primary.push("a", 0, torch.zeros(2), rows=rows(np.array([early]), 1.0))
+    for v in range(1, EVICT_EVERY):
+        primary.push("a", v, torch.zeros(2), rows=rows(np.array([late]), 1.0) if v > EVICT_EVERY - 4 else ())
+    assert primary.version == EVICT_EVERY
+    assert primary.table_status()[0]["rows"] == 1          # the row not updated for 8 steps is gone
+    assert primary.digest() == backup.digest()
