@@ -130,18 +130,13 @@ def _serve_meta_tables(optimizer: torch.optim.Optimizer, model: torch.nn.Module)
         for p in group["params"]:
             m = held.get(id(p))
             if m is not None and m.row_optimizer is None:
-                m.row_optimizer, m.hyper = row_defaults_of_group(optimizer, group)
+                m.row_optimizer, hyper = row_defaults(optimizer, group)
+                m.hyper = {**hyper, **m.hyper}
         group["params"] = [p for p in group["params"] if id(p) not in held]
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]] or optimizer.param_groups[:1]
     for path, _, _ in swapped:
         log.info("%s (on the meta device) is served by the parameter servers", path)
-    return row_defaults(optimizer)
-
-
-def row_defaults_of_group(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, dict[str, float]]:
-    name, _ = row_defaults(optimizer)
-    lr = group.get("lr")
-    return name, ({"lr": float(lr)} if isinstance(lr, (int, float)) else {})
+    return row_defaults(optimizer) if find_tables(model) else ("sgd", {})
 
 
 class _Distributed:

@@ -133,12 +133,22 @@ class TableRouter:
             m._router = None
 
 
-def row_defaults(optimizer: Any) -> tuple[str, dict[str, float]]:
-    """The row optimizer a user's torch optimizer stands for (for tables without ``optimizer=``):
-    Adagrad -> adagrad, Adam/AdamW/SparseAdam -> adam, anything else -> sgd; with its first group's lr."""
+def row_defaults(optimizer: Any, group: dict | None = None) -> tuple[str, dict[str, float]]:
+    """The row optimizer a user's torch optimizer (its ``group``, default the first) stands for, for tables
+    without ``optimizer=``: Adagrad -> adagrad (lr, lr_decay, eps, initial_accumulator_value), Adam/AdamW/
+    SparseAdam -> adam (lr, betas, eps; SparseAdam's lazy moments), anything else -> sgd (lr). What the rows
+    cannot take lazily (weight decay, momentum) is left out, with a warning."""
     name = type(optimizer).__name__
     row = {"Adagrad": "adagrad", "Adam": "adam", "AdamW": "adam", "SparseAdam": "adam"}.get(name, "sgd")
-    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-    return row, ({"lr": float(lr)} if isinstance(lr, (int, float)) else {})
-
-
+    if group is None:
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    take = {"adagrad": ("lr", "lr_decay", "eps", "initial_accumulator_value"), "adam": ("lr", "eps"),
+            "sgd": ("lr",)}[row]
+    hyper = {k: float(group[k]) for k in take if isinstance(group.get(k), (int, float))}
+    if row == "adam" and isinstance(group.get("betas"), (tuple, list)):
+        hyper["beta1"], hyper["beta2"] = (float(b) for b in group["betas"])
+    dropped = [k for k in ("weight_decay", "momentum") if isinstance(group.get(k), (int, float)) and group[k]]
+    if dropped:
+        log.warning("torch.optim.%s's %s is not applied to embedding rows on the parameter servers (row "
+                    "optimizer %s)", name, " and ".join(dropped), row)
+    return row, hyper
