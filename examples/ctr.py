@@ -58,6 +58,9 @@ class DLRM(nn.Module):
         self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
         self.table = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=table_device)
         nn.init.normal_(self.table.weight, 0.0, init_std)
+        if self.table.weight.is_meta:                               # shoal: the servers initialise the rows
+            from shoal.worker.embedding import table_options
+            table_options(self.table, init_std=init_std)
         n = NUM_SPARSE + 1
         self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
         self.top = mlp([dim + self.pairs.shape[1], *top, 1], last_relu=False)
