@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from shoal.errors import FailedPrecondition, InvalidArgument
-from shoal.tables import partition_of, sum_rows
+from shoal.tables import FULL_EVERY, partition_of, sum_rows
 
 EVICT_EVERY = 64      # shard versions between two eviction passes over the tables that evict
 
@@ -36,6 +36,10 @@ class ShardTables:
         self.num_shards = num_shards      # set by the first declare (the job's shard count)
         self.tables: dict[str, Any] = {}          # name -> RowTable
         self._round: list[tuple[str, np.ndarray, np.ndarray]] = []
+        # checkpoints: per table, the full snapshot written last (its mark and file entry) and the
+        # checkpoints since; the changes since that mark go into each checkpoint until the next full one
+        self.ckpt_base: dict[str, tuple[int, dict]] = {}
+        self.ckpt_since_full: dict[str, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.tables)
@@ -155,11 +159,40 @@ class ShardTables:
         return {name: {"spec": t.spec.to_dict(), "snapshot": t.snapshot(None).to_bytes(),
                        "num_shards": self.num_shards} for name, t in sorted(self.tables.items())}
 
-    def restore(self, saved: dict[str, dict]) -> None:
+    def checkpoint_snapshots(self) -> dict[str, dict]:
+        """Each table's snapshot for a checkpoint (lock held, at the cut): a full one every
+        :data:`shoal.tables.FULL_EVERY` checkpoints (or when none was written yet), else the rows changed
+        since the last full one (differential: a checkpoint that failed never breaks the next one's chain).
+        :meth:`checkpoint_written` makes a full one the base once its file is safely on disk."""
+        out = {}
+        for name, t in sorted(self.tables.items()):
+            base = self.ckpt_base.get(name)
+            if base is None or self.ckpt_since_full.get(name, 0) + 1 >= FULL_EVERY:
+                mark, snap, kind = t.mark(), None, "full"
+                snap = t.snapshot(None)
+            else:
+                mark, kind = base[0], "diff"
+                snap = t.snapshot(mark)
+            out[name] = {"spec": t.spec.to_dict(), "num_shards": self.num_shards, "kind": kind, "mark": mark,
+                         "data": snap.to_bytes(), "rows": int(len(snap.ids))}
+        return out
+
+    def checkpoint_written(self, name: str, kind: str, mark: int, entry: dict) -> list[dict]:
+        """A table's snapshot file of a checkpoint is on disk; returns its restore chain (file entries)."""
+        if kind == "full":
+            self.ckpt_base[name], self.ckpt_since_full[name] = (mark, entry), 0
+            return [entry]
+        self.ckpt_since_full[name] = self.ckpt_since_full.get(name, 0) + 1
+        return [self.ckpt_base[name][1], entry]
+
+    def restore(self, saved: dict[str, dict], snapshots: dict[str, list[bytes]] | None = None) -> None:
+        """Tables from a backup's copy (each entry holds its snapshot) or a checkpoint (``snapshots``: each
+        table's chain, read by :func:`shoal.tables.read_chain`)."""
         t = _tables_module()
         for name, entry in saved.items():
             self.declare([entry["spec"]], int(entry["num_shards"]))
-            self.tables[name].restore([t.TableSnapshot.from_bytes(entry["snapshot"])])
+            chain = snapshots[name] if snapshots is not None else [entry["snapshot"]]
+            self.tables[name].restore([t.TableSnapshot.from_bytes(b) for b in chain])
 
     def digest_into(self, h: "hashlib._Hash") -> None:
         for name in sorted(self.tables):

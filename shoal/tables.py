@@ -229,3 +229,39 @@ class RowsFile:
         if not held.all():
             raise KeyError(f"id {int(ids[~held][0])} is not in the table (it was never updated, or was evicted)")
         return self.rows[at]
+
+
+# ---------------------------------------------------------------- table checkpoints
+
+TABLES_DIR = "tables"           # under the checkpoint root: each shard's table snapshot files
+FULL_EVERY = 10                 # checkpoints between two full snapshots of a table (differential in between)
+
+
+def snapshot_file(shard: int, version: int, table: str, kind: str) -> str:
+    """Where a table partition's snapshot goes, relative to the checkpoint root."""
+    return f"{TABLES_DIR}/shard-{shard:05d}/{version:012d}-{kind}-{table}.snap"
+
+
+def read_chain(root: str, entry: dict[str, Any]) -> list[bytes]:
+    """The snapshots a checkpointed table partition restores from (a full one, then the changes since), each
+    checked against its recorded size and sha256; a missing or damaged file is InvalidArgument naming it."""
+    import hashlib
+    import os
+
+    if "snapshot" in entry:                 # held inline (a backup's copy)
+        return [entry["snapshot"]]
+    out = []
+    for f in entry.get("chain", ()):
+        path = os.path.join(root, f["file"])
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise InvalidArgument(f"table snapshot {path} cannot be read ({exc.strerror}); the checkpoint "
+                                  f"needs it") from None
+        if len(data) != f["bytes"] or hashlib.sha256(data).hexdigest() != f["sha256"]:
+            raise InvalidArgument(f"table snapshot {path} does not match its checkpoint ({len(data)} bytes)")
+        out.append(data)
+    if not out:
+        raise InvalidArgument(f"a checkpointed table entry holds no snapshot: {sorted(entry)}")
+    return out

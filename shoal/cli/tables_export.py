@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from shoal.checkpoint import Checkpoint
-from shoal.tables import ROWS_FILE_SUFFIX, write_rows_file
+from shoal.tables import ROWS_FILE_SUFFIX, read_chain, write_rows_file
 
 
 def saved_tables(ckpt: Checkpoint) -> dict[str, list[tuple[int, dict[str, Any]]]]:
@@ -31,15 +31,15 @@ def saved_tables(ckpt: Checkpoint) -> dict[str, list[tuple[int, dict[str, Any]]]
     return out
 
 
-def table_rows(parts: list[tuple[int, dict[str, Any]]]) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-    """A table's spec, and the (ids, rows) its partitions hold, joined."""
+def table_rows(parts: list[tuple[int, dict[str, Any]]], root: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """A table's spec, and the (ids, rows) its partitions hold, joined (snapshot files under ``root``)."""
     from shoal.ps.tables import RowTable, TableSnapshot, TableSpec
 
     spec = TableSpec.from_dict(parts[0][1]["spec"])
     ids, rows = [], []
     for k, entry in parts:
         t = RowTable(spec, k, int(entry["num_shards"]))
-        t.restore([TableSnapshot.from_bytes(entry["snapshot"])])
+        t.restore([TableSnapshot.from_bytes(b) for b in read_chain(root, entry)])
         i, r = t.export()
         ids.append(i)
         rows.append(r)
@@ -54,7 +54,7 @@ def export_tables(ckpt: Checkpoint, state: dict, out: Path) -> list[str]:
 
     done = []
     for name, parts in sorted(saved_tables(ckpt).items()):
-        spec, ids, rows = table_rows(parts)
+        spec, ids, rows = table_rows(parts, str(Path(ckpt.path).parent))
         n = spec["num_embeddings"]
         if n is None:
             path = f"{out}.{name}{ROWS_FILE_SUFFIX}"

@@ -58,6 +58,13 @@ def test_a_restore_holds_the_cuts_rows_and_export_writes_both_kinds_of_table(tmp
         wait_until(lambda: (ck := load_latest(root)) is not None and ck.step == top, timeout_s=30,
                    what="the final checkpoint")
         digests = {k: s.digest() for k, s in shards.items()}
+        # the newest checkpoint holds each table as the full snapshot of an earlier one and the changes since
+        ckpt = load_latest(root)
+        for k in (0, 1):
+            for name in ("emb", "tags"):
+                chain = ckpt.shard_extra(k)["tables"][name]["chain"]
+                assert [f["kind"] for f in chain] == ["full", "diff"] and chain[0]["version"] < ckpt.step
+                assert chain[1]["version"] == ckpt.step and (root / chain[1]["file"]).is_file()
         held = {k: {n: tab.export() for n, tab in s.tables.tables.items()} for k, s in shards.items()}
         assert all(held[k]["tags"][0].size for k in held)
     finally:
