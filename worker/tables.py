@@ -29,11 +29,47 @@ log = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 60.0
 
 
+class RowCache:
+    """A table's hot rows on the worker (async/ssp only): a row pulled at step ``s`` serves lookups until
+    step ``s + steps``, then is pulled again; at most ``size`` rows, the oldest dropped first. The rows are
+    the servers' as of their pull: this worker's own updates since reach them at the next pull, as its
+    dense weights do in async mode. Kept as sorted arrays, so a batch's hits are one ``searchsorted``."""
+
+    def __init__(self, size: int, steps: int, dim: int):
+        self.size, self.steps = size, steps
+        self.ids = np.empty(0, np.int64)
+        self.rows = np.empty((0, dim), np.float32)
+        self.at = np.empty(0, np.int64)
+        self.hits = self.misses = 0
+
+    def get(self, ids: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(hit mask, the hits' rows) of sorted unique ``ids`` at ``step``."""
+        if not len(self.ids):
+            self.misses += len(ids)
+            return np.zeros(len(ids), bool), self.rows[:0]
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        hit = (self.ids[pos] == ids) & (step - self.at[pos] <= self.steps)
+        self.hits += int(hit.sum())
+        self.misses += int(len(ids) - hit.sum())
+        return hit, self.rows[pos[hit]]
+
+    def put(self, ids: np.ndarray, rows: np.ndarray, step: int) -> None:
+        keep = ~np.isin(self.ids, ids)
+        all_ids = np.concatenate([self.ids[keep], ids])
+        all_rows = np.concatenate([self.rows[keep], rows])
+        all_at = np.concatenate([self.at[keep], np.full(len(ids), step, np.int64)])
+        if len(all_ids) > self.size:            # the oldest go first
+            newest = np.argsort(-all_at, kind="stable")[:self.size]
+            all_ids, all_rows, all_at = all_ids[newest], all_rows[newest], all_at[newest]
+        order = np.argsort(all_ids)
+        self.ids, self.rows, self.at = all_ids[order], all_rows[order], all_at[order]
+
+
 class TableRouter:
     """Serves the tables of ``model`` from the shards of a Trainer (``trainer``: its clients, versions, routes)."""
 
     def __init__(self, model: torch.nn.Module, num_shards: int, trainer: Any,
-                 defaults: tuple[str, dict[str, float]] = ("sgd", {})):
+                 defaults: tuple[str, dict[str, float]] = ("sgd", {}), cache: tuple[int, int] = (0, 0)):
         self.modules = find_tables(model)
         self.num_shards = num_shards
         self.trainer = trainer
@@ -48,6 +84,8 @@ class TableRouter:
             if self.modules else None
         self.rows_pulled = 0
         self.rows_pushed = 0
+        size, steps = cache
+        self.caches = {n: RowCache(size, steps, m.embedding_dim) for n, m in self.modules} if size > 0 else {}
 
     def __bool__(self) -> bool:
         return bool(self.modules)
@@ -73,6 +111,22 @@ class TableRouter:
         """The rows (fp32, ``(len(uniq), dim)``) of the unique ids ``uniq`` of ``module``'s table."""
         ids = uniq.numpy()
         out = np.empty((len(ids), module.embedding_dim), dtype=np.float32)
+        cache = self.caches.get(module.table_name)
+        if cache is not None:
+            step = self.trainer.step_count
+            hit, rows = cache.get(ids, step)
+            out[hit] = rows
+            miss = np.flatnonzero(~hit)
+            if len(miss):
+                out[miss] = self._pull(module, ids[miss])
+                cache.put(ids[miss], out[miss], step)
+            return torch.from_numpy(out)
+        out[:] = self._pull(module, ids)
+        return torch.from_numpy(out)
+
+    def _pull(self, module: Any, ids: np.ndarray) -> np.ndarray:
+        """The rows of unique ``ids`` from the shards that hold them, one lookup per shard, in parallel."""
+        out = np.empty((len(ids), module.embedding_dim), dtype=np.float32)
         parts = split_by_shard(ids, self.num_shards)
         assert self._pool is not None
         futures = {k: self._pool.submit(self._fetch, k, module, np.ascontiguousarray(ids[pos]))
@@ -80,7 +134,7 @@ class TableRouter:
         for k, pos in parts.items():
             out[pos] = futures[k].result()
         self.rows_pulled += len(ids)
-        return torch.from_numpy(out)
+        return out
 
     def _fetch(self, shard: int, module: Any, ids: np.ndarray) -> np.ndarray:
         """One shard's rows, at the version of the worker's weights of that shard or later."""

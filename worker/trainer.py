@@ -87,6 +87,8 @@ class Trainer(ShardExchange):
     answered (:mod:`shoal.worker.pipeline`; for slow links, with more shards than servers).
     ``table_defaults``: the row optimizer ``(name, hyper)`` of the model's embedding tables on the servers
     (:mod:`shoal.worker.embedding`) that name none (default: ``sgd`` with the optimizer's ``lr``).
+    ``row_cache`` (async/ssp): keep up to this many hot rows of each table on the worker, each served for
+    ``row_cache_steps`` steps after its pull before it is pulled again (:class:`shoal.worker.tables.RowCache`).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None,
@@ -94,8 +96,12 @@ class Trainer(ShardExchange):
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
                  ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None, push_window: int | None = None,
-                 table_defaults: tuple[str, dict[str, float]] | None = None, **hparams: float):
+                 table_defaults: tuple[str, dict[str, float]] | None = None, row_cache: int = 0,
+                 row_cache_steps: int = 1, **hparams: float):
         tune_malloc()
+        if row_cache < 0 or row_cache_steps < 1:
+            raise InvalidArgument(f"row_cache must be >= 0 rows and row_cache_steps >= 1, got {row_cache} and "
+                                  f"{row_cache_steps}")
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
         if not self.chief_address:
@@ -148,8 +154,14 @@ class Trainer(ShardExchange):
         self.mode = view.job.mode
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
         lr = spec.hparams.get("lr") if not spec.groups else spec.groups[0].hparams.get("lr")
+        if row_cache and view.job.mode == "sync":
+            self.chief.leave()
+            self.chief.close()
+            raise InvalidArgument(f"row_cache={row_cache} in a sync job: a row cache serves rows older than the "
+                                  f"round; it takes async or ssp")
         self.tables = TableRouter(model, view.job.num_shards, self, table_defaults or
-                                  ("sgd", {"lr": float(lr)} if isinstance(lr, (int, float)) else {}))
+                                  ("sgd", {"lr": float(lr)} if isinstance(lr, (int, float)) else {}),
+                                  cache=(row_cache, row_cache_steps))
         self._row_push: dict[int, bytes] = {}     # this step's row gradients, a blob per shard
         if self.tables:
             overlap = False     # a shard's push carries the rows' gradients, known only once backward is done

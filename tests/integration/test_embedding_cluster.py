@@ -274,3 +274,25 @@ def test_sparse_adam_over_the_table_and_adam_over_the_rest_as_in_one_process(clu
                                  model, chief=c.chief_address)
     finally:
         opts[1].close()
+
+
+def test_a_hot_row_cache_serves_repeated_rows_in_async_and_is_refused_in_sync(cluster_factory):
+    c = cluster_factory(2, mode="async", replicas=1)
+    ids, y, _ = planted(512, seed=7)
+    model = Ctr(ShardedEmbedding(HUGE, 4, hyper={"lr": 0.2}, init_std=0.1))
+    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1, row_cache=1000, row_cache_steps=2)
+    try:
+        before = loss_on(model, ids, y)
+        for xb, yb in t.batches((ids, y), batch_size=32, epochs=6):
+            t.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            t.step()
+        cache = t.tables.caches["emb"]
+        assert cache.hits > cache.misses > 0            # 40 ids, each pulled again every 2 steps at most
+        t.pull()
+        assert loss_on(model, ids, y) < 0.2 * before
+    finally:
+        t.close()
+    s = cluster_factory(1, mode="sync")
+    with pytest.raises(Exception, match="sync job"):
+        Trainer(Ctr(ShardedEmbedding(10, 4)), chief=s.chief_address, row_cache=10)
