@@ -21,7 +21,7 @@ def test_a_row_serves_for_its_steps_then_is_pulled_again():
     c.put(np.array([8], np.int64), rows([8], 5.0), step=3)
     hit, got = c.get(ids, step=3)
     assert hit.tolist() == [False, True] and got.tolist() == [[5, 5]]
-    assert (c.hits, c.misses) == (3, 5)
+    assert (c.hits, c.misses) == (3, 6)
 
 
 def test_the_oldest_rows_leave_first_when_full():
