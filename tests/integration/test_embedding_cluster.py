@@ -233,7 +233,7 @@ def test_status_and_metrics_show_each_tables_rows_and_memory(cluster_factory):
         for k in (0, 1):
             (tab,) = tables[k]
             assert (tab["name"], tab["rows"], tab["dim"], tab["num_embeddings"]) == ("emb", want[k], 4, HUGE)
-            assert tab["bytes"] == tab["rows"] * tab["bytes_per_row"] > 0
+            assert tab["bytes"] >= tab["rows"] * tab["bytes_per_row"] > 0      # capacity grows by doubling
         text = render(status)
         assert f"emb              0      {want[0]:>12,}" in text and "1,099,511,627,776 x 4, sgd" in text
         families = {f.name: f for ps in c.servers for f in collector(ps.host)()}
