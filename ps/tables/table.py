@@ -227,7 +227,8 @@ class RowTable:
             v[present] = arr.take(ps, axis=0)
             v[fresh] = self._init_state[k]
             state[k] = v
-        self._opt.step(rows, state, grads, h, t)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):    # checked just below
+            self._opt.step(rows, state, grads, h, t)
         bad = ~np.isfinite(rows).all(axis=1)
         for v in state.values():
             bad |= ~np.isfinite(v).all(axis=1)
