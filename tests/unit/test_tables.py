@@ -60,6 +60,13 @@ def test_lookup_of_untouched_rows_is_the_initial_value_and_stores_nothing():
     assert abs(float(initial_rows(0, np.arange(20000), 16, 0.5).std()) - 0.5) < 0.01
 
 
+def test_initial_rows_are_pinned_bit_for_bit():
+    """Untouched rows are never stored: a checkpoint restored by another version or host relies on these bits."""
+    got = initial_rows(7, np.array([0, -1, 2**40]), 3, 0.5).view(np.uint32)
+    assert got.tolist() == [[3176890651, 3192132337, 1057288497], [3197311203, 1049610147, 1056732052],
+                            [1024104679, 1058910029, 1051663999]]
+
+
 def test_initial_rows_of_odd_width_are_a_prefix_of_the_next_even_width():
     ids = np.arange(10)
     np.testing.assert_array_equal(initial_rows(1, ids, 5, 1.0), initial_rows(1, ids, 6, 1.0)[:, :5])
