@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class TableSnapshot:
         out += [("state." + k, v) for k, v in sorted(self.state.items())]
         return out
 
-    def to_bytes(self) -> bytes:
+    def _layout(self) -> tuple[bytes, list[np.ndarray], int]:
         arrays, meta, off = [], [], 0
         for name, a in self._arrays():
             a = np.ascontiguousarray(a)
@@ -74,15 +74,19 @@ class TableSnapshot:
         header = json.dumps({"spec": self.spec, "partition": self.partition,
                              "num_partitions": self.num_partitions, "since": self.since, "upto": self.upto,
                              "t": self.t, "arrays": meta}, sort_keys=True).encode()
-        buf = bytearray(_HEAD.size + len(header) + off)
-        _HEAD.pack_into(buf, 0, _MAGIC, _VERSION, len(header))
-        pos = _HEAD.size
-        buf[pos:pos + len(header)] = header
-        pos += len(header)
+        return _HEAD.pack(_MAGIC, _VERSION, len(header)) + header, arrays, off
+
+    def to_bytes(self) -> bytes:
+        head, arrays, size = self._layout()
+        return b"".join([head, *(a.reshape(-1).view(np.uint8).data for a in arrays)])
+
+    def write_to(self, f: BinaryIO) -> int:
+        """Write what :meth:`to_bytes` returns to the binary file ``f`` without a copy in memory; returns the bytes."""
+        head, arrays, size = self._layout()
+        f.write(head)
         for a in arrays:
-            buf[pos:pos + a.nbytes] = a.reshape(-1).view(np.uint8).data
-            pos += a.nbytes
-        return bytes(buf)
+            f.write(a.reshape(-1).view(np.uint8).data)
+        return len(head) + size
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "TableSnapshot":

@@ -1,5 +1,7 @@
 """A table partition's pure state (:class:`shoal.ps.tables.RowTable`): lazy rows, apply and its refusals,
 eviction and slot reuse, incremental snapshots and restore, export, memory; and the id map under it."""
+import io
+
 import numpy as np
 import pytest
 
@@ -211,6 +213,8 @@ def test_snapshot_bytes_are_checked():
     with pytest.raises(InvalidArgument, match="table snapshot truncated: array 'state|table snapshot truncated"):
         TableSnapshot.from_bytes(data[:-1])
     assert TableSnapshot.from_bytes(data).ids.tolist() == [1, 2]
+    f = io.BytesIO()
+    assert t.snapshot(None).write_to(f) == len(data) and f.getvalue() == data
 
 
 # ---------------------------------------------------------------- partitions, export, memory
