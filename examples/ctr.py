@@ -62,7 +62,7 @@ class DLRM(nn.Module):
             from shoal.worker.embedding import table_options
             table_options(self.table, init_std=init_std)
         n = NUM_SPARSE + 1
-        self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
+        self.pairs = torch.triu_indices(n, n, offset=1)                 # a constant: not the model's state
         self.top = mlp([dim + self.pairs.shape[1], *top, 1], last_relu=False)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
