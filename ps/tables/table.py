@@ -31,6 +31,8 @@ from shoal.ps.tables.snapshot import TableSnapshot
 from shoal.ps.tables.spec import TableSpec
 
 _MIN_ROWS = 256
+_MEMO_LOOKUPS = 4         # initial rows of this many recent lookups are kept for the applies that follow them
+_MEMO_BYTES = 4 << 20     # ... of lookups whose new rows take at most this many bytes each
 # bytes of bookkeeping per stored row: id, count, last step, stamp (int64 each), live flag, and two
 # (key, slot) cells of the id map (its load is kept <= 1/2)
 _META_BYTES = 8 * 4 + 1 + 2 * 16
@@ -78,6 +80,7 @@ class RowTable:
         self._t = 0                                      # applies so far (the optimizer's step count)
         self._epoch = 1                                  # stamp of changes now; mark() closes it
         self._deleted: list[tuple[int, np.ndarray]] = []  # (epoch, ids evicted in it)
+        self._memo: list[tuple[np.ndarray, np.ndarray]] = []  # recent lookups' initial rows (sorted ids, rows)
 
     def _grow(self, need: int) -> None:
         cap = self._cap
@@ -142,7 +145,32 @@ class RowTable:
         out = np.empty((ids.size, self.spec.dim), np.float32)
         out[present] = self._rows.take(slots[present], axis=0)
         absent = ~present
-        out[absent] = initial_rows(self.spec.seed, ids[absent], self.spec.dim, self.spec.init_std)
+        new_ids = ids[absent]
+        rows = initial_rows(self.spec.seed, new_ids, self.spec.dim, self.spec.init_std)
+        out[absent] = rows
+        if new_ids.size * (4 * self.spec.dim + 8) <= _MEMO_BYTES:
+            if not (new_ids[1:] > new_ids[:-1]).all():       # pulls come as np.unique's sorted ids
+                order = np.argsort(new_ids, kind="stable")
+                new_ids, rows = new_ids[order], rows[order]
+            self._memo = [(new_ids, rows)] + self._memo[:_MEMO_LOOKUPS - 1]
+        return out
+
+    def _initial(self, ids: np.ndarray) -> np.ndarray:
+        """Initial rows of ``ids`` for an apply: from the last few lookups' where they computed them (a pure function of
+        (seed, id), so the memo is only a saving: a pull's rows are usually applied a step later), else afresh."""
+        out = np.empty((ids.size, self.spec.dim), np.float32)
+        todo = np.ones(ids.size, bool)
+        for memo_ids, memo_rows in self._memo:
+            if not todo.any():
+                break
+            want = np.flatnonzero(todo)
+            pos = np.searchsorted(memo_ids, ids[want])
+            np.minimum(pos, memo_ids.size - 1, out=pos)
+            hit = memo_ids[pos] == ids[want]
+            out[want[hit]] = memo_rows[pos[hit]]
+            todo[want[hit]] = False
+        if todo.any():
+            out[todo] = initial_rows(self.spec.seed, ids[todo], self.spec.dim, self.spec.init_std)
         return out
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
@@ -179,7 +207,8 @@ class RowTable:
         """Bytes allocated now (arrays grown by doubling hold up to 2x the rows stored, plus the id map)."""
         arrays = [self._ids, self._rows, self._count, self._last, self._stamp, self._live, self._free,
                   *self._state.values()]
-        return sum(a.nbytes for a in arrays) + self._map.nbytes + sum(d.nbytes for _, d in self._deleted)
+        memo = sum(i.nbytes + r.nbytes for i, r in self._memo)
+        return sum(a.nbytes for a in arrays) + self._map.nbytes + sum(d.nbytes for _, d in self._deleted) + memo
 
     # ------------------------------------------------------------------ writes
     def apply(self, ids: np.ndarray, grads: np.ndarray, step: int,
@@ -221,7 +250,7 @@ class RowTable:
         ps = slots[present]
         rows[present] = self._rows.take(ps, axis=0)
         if fresh.any():
-            rows[fresh] = initial_rows(self.spec.seed, ids[fresh], d, self.spec.init_std)
+            rows[fresh] = self._initial(ids[fresh])
         state = {}
         for k, arr in self._state.items():
             v = np.empty((ids.size, d), np.float32)

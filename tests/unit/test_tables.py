@@ -58,8 +58,21 @@ def test_lookup_of_untouched_rows_is_the_initial_value_and_stores_nothing():
     np.testing.assert_array_equal(rows, initial_rows(3, ids, 4, 0.5))
     np.testing.assert_array_equal(rows, sgd(init_std=0.5, seed=3).lookup(ids))        # a pure function of (seed, id)
     assert not np.array_equal(rows, sgd(init_std=0.5, seed=4).lookup(ids))
-    assert t.rows == 0 and t.nbytes == before and not t.contains(ids).any()
+    assert t.rows == 0 and not t.contains(ids).any()
+    assert t.nbytes == before + 4 * (8 + 4 * 4)     # only the memo of this lookup's initial rows (a bounded cache)
     assert abs(float(initial_rows(0, np.arange(20000), 16, 0.5).std()) - 0.5) < 0.01
+
+
+def test_lookups_before_an_apply_change_nothing_but_cost():
+    served, plain = sgd(init_std=0.3), sgd(init_std=0.3)
+    ids = np.arange(0, 3000, 3)
+    for k in range(6):                             # more lookups than the memo keeps, overlapping ones
+        served.lookup(ids[k * 50:k * 50 + 400])
+    served.lookup(np.array([5, 1, 5]))
+    for t in (served, plain):
+        t.apply(ids, grads(ids.size), 1)
+    assert served.digest() == plain.digest()
+    np.testing.assert_array_equal(served.lookup(ids), plain.lookup(ids))
 
 
 def test_initial_rows_are_pinned_bit_for_bit():

@@ -1,5 +1,5 @@
 """Properties of a table partition over random streams (hypothesis): a primary and a replica fed the same
-updates (the replica in another order within each batch) agree; full + incremental snapshots restore the live
+updates (the replica in another order within each batch, the primary serving lookups in between) agree; full + incremental snapshots restore the live
 table, which then goes on exactly as the original; a table's export is the lookup of every id."""
 import numpy as np
 import pytest
@@ -43,6 +43,8 @@ def run(spec, ops):
                 g[rng.integers(ids.size), rng.integers(DIM)] = np.inf
             perm = rng.permutation(ids.size)
             step += 1
+            if op[2] % 3:                     # the primary serves pulls (lookups) too; they change nothing
+                primary.lookup(ids[: 1 + op[2] % max(1, ids.size)])
             for table, order in ((primary, np.arange(ids.size)), (replica, perm)):
                 if kind == "bad" and ids.size:
                     with pytest.raises(InvalidArgument, match="non-finite gradient"):
