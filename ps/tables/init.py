@@ -45,7 +45,8 @@ def _quantiles() -> np.ndarray:
 def _normals(u32: np.ndarray) -> np.ndarray:
     """float64 standard normals from uint64 arrays holding 32-bit uniforms."""
     q = _quantiles()
-    pos = u32.astype(np.float64) * (_K / 4294967296.0) + (0.5 * _K / 4294967296.0 - 0.5)   # ((u + 1/2) / 2^32) * K - 1/2
+    # the uniform (u + 1/2) / 2^32 as a position among the K quantiles: u' * K - 1/2
+    pos = u32.astype(np.float64) * (_K / 4294967296.0) + (0.5 * _K / 4294967296.0 - 0.5)
     i = pos.astype(np.int64)                 # truncation: floor for pos >= 0; pos in [-1/2, 0) gives 0 too
     np.minimum(i, _K - 2, out=i)
     frac = pos - i

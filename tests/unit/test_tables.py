@@ -205,7 +205,8 @@ def test_restore_refuses_a_chain_that_does_not_fit_and_changes_nothing():
     d = other.digest()
     with pytest.raises(FailedPrecondition, match="a full snapshot first"):
         other.restore([late])
-    with pytest.raises(FailedPrecondition, match=rf"changes since mark {m1}, up to {m1}\) does not follow .*up to mark {m0}\)"):
+    gap = rf"changes since mark {m1}, up to {m1}\) does not follow .*up to mark {m0}\)"
+    with pytest.raises(FailedPrecondition, match=gap):
         other.restore([full, late])                  # the changes between m0 and m1 would be lost
     with pytest.raises(FailedPrecondition, match="is of another table: dim 4, this one 3"):
         RowTable(TableSpec("t", 3, None), 0, 1).restore([full])

@@ -1,6 +1,7 @@
 """Properties of a table partition over random streams (hypothesis): a primary and a replica fed the same
-updates (the replica in another order within each batch, the primary serving lookups in between) agree; full + incremental snapshots restore the live
-table, which then goes on exactly as the original; a table's export is the lookup of every id."""
+updates (the replica in another order within each batch, the primary serving lookups in between) agree;
+full + incremental snapshots restore the live table, which then goes on exactly as the original; a table's
+export is the lookup of every id."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
