@@ -11,7 +11,8 @@ kind, in the same run.
 
 ``idmap`` case: the id -> slot map alone, :class:`shoal.ps.tables.idmap.IdMap` (numpy, open addressing)
 against a Python ``dict`` (the stdlib alternative), finding a batch of ids in a map of 2^20 and 2^22 entries:
-CPU per find and bytes per entry (``tracemalloc`` for the dict, array bytes for the map).
+CPU per find and bytes per entry (``tracemalloc`` for the dict, array bytes for the map). Each case also reports
+the process's peak RSS so far (VmHWM).
 
 ``snapshot`` case: a fixed table of ``--snapshot-rows`` (2^26) rows; ``--stored`` of them stored first (a
 trained table), then a mark, then ``--snapshot-steps`` (1,000) steps of ``--batch`` Zipf(``--zipf``) ids
@@ -34,6 +35,15 @@ import numpy as np
 
 from shoal.ps.tables import RowTable, TableSpec
 from shoal.ps.tables.idmap import IdMap
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (VmHWM), MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
 
 
 def cpu(fn) -> float:
@@ -164,12 +174,13 @@ def main() -> None:
                 r = apply_case(log2, kind, args, rng)
                 base = base or r["lookup_apply_ms"]
                 r["ratio_vs_first_size"] = round(r["lookup_apply_ms"] / base, 3)
+                r["peak_rss_mb"] = peak_rss_mb()
                 print(json.dumps(r), flush=True)
     if "idmap" in args.cases:
         for log2 in (20, 22):
-            print(json.dumps(idmap_case(log2, args, rng)), flush=True)
+            print(json.dumps({**idmap_case(log2, args, rng), "peak_rss_mb": peak_rss_mb()}), flush=True)
     if "snapshot" in args.cases:
-        print(json.dumps(snapshot_case(args, rng)), flush=True)
+        print(json.dumps({**snapshot_case(args, rng), "peak_rss_mb": peak_rss_mb()}), flush=True)
 
 
 if __name__ == "__main__":
