@@ -11,7 +11,8 @@ For each table size (default 2^20, 2^22, 2^24, 2^26 rows), in the same run:
   gives the computed bytes per rank instead of a measurement.
 - **shoal**: 2 servers + 2 workers (bench/_procs.py on loopback), the table built on the ``meta``
   device and served by the servers (never allocated on a worker), the same model, optimizer (Adagrad:
-  the table's group lr 0.05, the dense group's 0.01) and batches, ``--mode`` (default async),
+  the table's group lr 0.05, the dense group's 0.01) and batches, ``--mode`` (default async; sync takes
+  the batches through DistributedSampler, as sync rounds wait for the workers holding a data task),
   ``--replicas`` (default 2: every table partition has a backup).
 
 Reports samples/s over the timed window (both workers together), each worker's peak RSS (VmHWM from
@@ -32,6 +33,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 import _procs
 from _hosts import Placement
@@ -72,6 +75,22 @@ def _batches(rows: int, batch: int, index: int, seed: int = 0) -> list:
     return [ds.batch(range((index * POOL + i) * batch, (index * POOL + i + 1) * batch)) for i in range(POOL)]
 
 
+class _Pool(torch.utils.data.Dataset):
+    """The workers' batches made up front, as a dataset the chief's tasks index (sync rounds need tasks:
+    a round waits for the workers holding one). ``__getitems__`` gathers a batch from the made tensors."""
+
+    def __init__(self, rows: int, batch: int, workers: int):
+        parts = [b for i in range(workers) for b in _batches(rows, batch, i)]
+        self.dense, self.ids, self.clicks = (torch.cat([b[k] for b in parts]) for k in range(3))
+
+    def __len__(self) -> int:
+        return len(self.clicks)
+
+    def __getitems__(self, idx: list[int]):
+        i = torch.as_tensor(idx)
+        return self.dense[i], self.ids[i], self.clicks[i]
+
+
 def _model(rows: int, table_device: str | None):
     import torch
     from ctr import DLRM, optimizers
@@ -79,6 +98,23 @@ def _model(rows: int, table_device: str | None):
     torch.manual_seed(0)
     model = DLRM(rows, DIM, init_std=INIT_STD, table_device=table_device)
     return model, optimizers(model, "adagrad", LR, TABLE_LR)[0]
+
+
+class _Endless:
+    """``batches[n]`` of :func:`_timed` from a DataLoader's iterations, one epoch after another."""
+
+    def __init__(self, loader):
+        self.loader, self.it = loader, iter(loader)
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def __getitem__(self, n: int):
+        while True:
+            try:
+                return next(self.it)
+            except StopIteration:
+                self.it = iter(self.loader)
 
 
 def _timed(step, batches: list, seconds: float, warmup: int, go_on=lambda in_time, n: in_time) -> tuple[float, int]:
@@ -121,7 +157,7 @@ def _ddp_rank(rank: Rank, rows: int, batch: int, seconds: float, warmup: int, ou
 
 
 def _shoal_worker(namespace: str | None, index: int, chief: str, rows: int, batch: int, seconds: float,
-                  warmup: int, barrier, out) -> None:
+                  warmup: int, mode: str, workers: int, barrier, out) -> None:
     from _hosts import enter
 
     enter(namespace)
@@ -131,9 +167,20 @@ def _shoal_worker(namespace: str | None, index: int, chief: str, rows: int, batc
     torch.set_num_threads(1)
     from shoal.worker import DistributedOptimizer
 
-    batches = _batches(rows, batch, index)
     model, opt = _model(rows, "meta")             # the table on meta: its rows live on the servers
     opt = DistributedOptimizer(opt, model, chief=chief)
+    if mode == "sync":                            # the batches through the chief's tasks, as a user's loop
+        from ctr_data import collate
+        from torch.utils.data import DataLoader
+
+        from shoal.worker import DistributedSampler
+
+        pool = _Pool(rows, batch, workers)
+        loader = DataLoader(pool, batch_size=batch, collate_fn=collate, sampler=DistributedSampler(
+            pool, batch_size=batch, epochs=10_000, shuffle=False))
+        batches = _Endless(loader)
+    else:
+        batches = _batches(rows, batch, index)
     barrier.wait()
 
     def step(dense, ids, clicks):
@@ -153,10 +200,30 @@ def unique_rows(rows: int, batch: int) -> float:
     return float(np.mean([len(np.unique(ids.numpy())) for _, ids, _ in _batches(rows, batch, 0)]))
 
 
+def _collect(out, procs: list, timeout_s: float) -> list[dict]:
+    """Each process's result, by rank; fails at once when one of them ends without giving one."""
+    import queue
+
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                _procs.join(procs, 10)
+                raise RuntimeError(f"process {dead[0].pid} ended with status {dead[0].exitcode} before its "
+                                   f"result (its traceback is above)") from None
+            if time.monotonic() > deadline:
+                _procs.join(procs, 10)
+                raise RuntimeError(f"no result from {len(procs) - len(results)} process(es) in {timeout_s:.0f}s")
+    return sorted(results, key=lambda r: r["rank"])
+
+
 def run_ddp(rows: int, args: argparse.Namespace) -> dict:
     out = CTX.Queue()
     procs = _procs.start_ranks(_ddp_rank, Placement(), args.workers, rows, args.batch, args.seconds, args.warmup, out)
-    results = sorted((out.get(timeout=args.timeout) for _ in procs), key=lambda r: r["rank"])
+    results = _collect(out, procs, args.timeout)
     _procs.join(procs, args.timeout)
     return {"samples_per_s": sum(r["steps_per_s"] for r in results) * args.batch,
             "worker_vm_hwm_bytes": [r["vm_hwm"] for r in results], "steps": [r["steps"] for r in results]}
@@ -167,9 +234,9 @@ def run_shoal(rows: int, args: argparse.Namespace) -> dict:
     with _procs.start_servers(place, args.ps, args.mode, args.replicas) as servers:
         out, barrier = CTX.Queue(), CTX.Barrier(args.workers + 1)
         procs = _procs.start_workers(_shoal_worker, place, args.workers, servers.chief, rows, args.batch,
-                                     args.seconds, args.warmup, barrier, out)
+                                     args.seconds, args.warmup, args.mode, args.workers, barrier, out)
         barrier.wait(timeout=args.timeout)
-        results = sorted((out.get(timeout=args.timeout) for _ in procs), key=lambda r: r["rank"])
+        results = _collect(out, procs, args.timeout)
         server_hwm = [_status_bytes(p.pid, "VmHWM") for p in servers.procs[1:]]
         _procs.join(procs, args.timeout)
     return {"samples_per_s": sum(r["steps_per_s"] for r in results) * args.batch,
@@ -189,7 +256,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps before the timed window")
     p.add_argument("--workers", type=int, default=2, help="shoal workers and DDP ranks")
     p.add_argument("--ps", type=int, default=2, help="parameter servers")
-    p.add_argument("--mode", default="async", choices=["async", "sync", "ssp"])
+    p.add_argument("--mode", default="async", choices=["async", "sync"],
+                   help="shoal's mode (sync: the workers take the pool's batches through the chief's tasks)")
     p.add_argument("--replicas", type=int, default=2, help="copies of every shard (2: a backup each)")
     p.add_argument("--only", choices=["ddp", "shoal"], help="run one side only")
     p.add_argument("--ddp-budget-gib", type=float, default=None,
