@@ -83,15 +83,18 @@ def optimizers(model: DLRM, name: str, lr: float, table_lr: float) -> list[torch
     return [torch.optim.SparseAdam([model.table.weight], lr=table_lr), torch.optim.Adam(dense, lr=lr)]
 
 
-def evaluate(model: nn.Module, test: CTRDataset, batch_size: int = 8192) -> np.ndarray:
-    """The model's P(click) for every test sample, in order."""
+def evaluate(model: nn.Module, test: CTRDataset, batch_size: int = 8192) -> float:
+    """The model's test AUC (scikit-learn's roc_auc_score of its P(click) against the test clicks)."""
+    from sklearn.metrics import roc_auc_score
+
     model.eval()
-    out = []
+    scores, clicks = [], []
     with torch.no_grad():
-        for dense, ids, _ in test.batches(batch_size):
-            out.append(torch.sigmoid(model(dense, ids)).numpy())
+        for dense, ids, y in test.batches(batch_size):
+            scores.append(torch.sigmoid(model(dense, ids)).numpy())
+            clicks.append(y.numpy())
     model.train()
-    return np.concatenate(out)
+    return float(roc_auc_score(np.concatenate(clicks), np.concatenate(scores)))
 
 
 def main() -> None:
@@ -154,10 +157,7 @@ def main() -> None:
     if ON_CLUSTER:                                                  # shoal: the job's newest weights
         opts[0].synchronize()
 
-    from sklearn.metrics import roc_auc_score
-
-    _, _, test_clicks = test.batch(np.arange(len(test)))
-    auc = roc_auc_score(test_clicks.numpy(), evaluate(model, test))
+    auc = evaluate(model, test)
     bayes = test.bayes_auc()
     logging.info("test AUC %.4f after %d steps of %d (%.1f s); Bayes AUC (the planted model's) %.4f; gap %.4f",
                  auc, step, args.batch_size, seconds, bayes, bayes - auc)

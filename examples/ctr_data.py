@@ -258,7 +258,7 @@ class CTRDataset(Dataset):
         idx = np.arange(self.size) if indices is None else self._check(np.asarray(indices, dtype=np.int64))
         return self.model.sample(SPLITS[self.split], idx)[3]
 
-    def bayes_auc(self, chunk: int = 65536) -> float:
+    def bayes_auc(self, chunk: int = 8192) -> float:
         """The planted model's own AUC on this split's clicks: the best a model can score on them."""
         from sklearn.metrics import roc_auc_score
 
