@@ -75,11 +75,11 @@ class DLRM(nn.Module):
 
 
 def optimizers(model: DLRM, name: str, lr: float, table_lr: float) -> list[torch.optim.Optimizer]:
-    if name == "adagrad":
-        return [torch.optim.Adagrad([{"params": [model.table.weight], "lr": table_lr},
-                                     {"params": [p for n, p in model.named_parameters() if not n.startswith("table.")]}],
-                                    lr=lr)]
+    """``adagrad``: one Adagrad, the table in a group of its own; ``adam``: SparseAdam for the table (first:
+    on a cluster its DistributedOptimizer must be made before the dense one's), Adam for the rest."""
     dense = [p for n, p in model.named_parameters() if not n.startswith("table.")]
+    if name == "adagrad":
+        return [torch.optim.Adagrad([{"params": [model.table.weight], "lr": table_lr}, {"params": dense}], lr=lr)]
     return [torch.optim.SparseAdam([model.table.weight], lr=table_lr), torch.optim.Adam(dense, lr=lr)]
 
 

@@ -99,5 +99,6 @@ def test_bayes_auc_is_stable_high_and_beats_a_partial_model(cfg):
     partial = a.model.a1 * s1 + a.model.a3 * d
     assert roc_auc_score(clicks.numpy(), partial) < auc_a - 0.01
     # and a weaker signal gives a lower ceiling
-    flat = CTRDataset(CTRConfig(rows=ROWS, seed=3, first_order_std=0.3, pairwise_std=0.1, dense_std=0.2), "test", 20_000)
+    weak = CTRConfig(rows=ROWS, seed=3, first_order_std=0.3, pairwise_std=0.1, dense_std=0.2)
+    flat = CTRDataset(weak, "test", 20_000)
     assert 0.5 < flat.bayes_auc() < auc_a - 0.1
