@@ -8,7 +8,7 @@ from shoal.ps.tables.init import initial_rows
 from shoal.ps.tables.optimizers import ROW_OPTIMIZERS, RowOptimizer, register_row_optimizer, row_optimizer
 from shoal.ps.tables.snapshot import TableSnapshot
 from shoal.ps.tables.spec import TableSpec
-from shoal.ps.tables.table import RowTable
+from shoal.ps.tables.table import PreparedApply, RowTable
 
-__all__ = ["ROW_OPTIMIZERS", "RowOptimizer", "RowTable", "TableSnapshot", "TableSpec", "initial_rows",
+__all__ = ["PreparedApply", "ROW_OPTIMIZERS", "RowOptimizer", "RowTable", "TableSnapshot", "TableSpec", "initial_rows",
            "register_row_optimizer", "row_optimizer"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -36,6 +37,21 @@ _MEMO_BYTES = 4 << 20     # ... of lookups whose new rows take at most this many
 # bytes of bookkeeping per stored row: id, count, last step, stamp (int64 each), live flag, and two
 # (key, slot) cells of the id map (its load is kept <= 1/2)
 _META_BYTES = 8 * 4 + 1 + 2 * 16
+
+
+@dataclass(eq=False)
+class PreparedApply:
+    """An update :meth:`RowTable.prepare` checked and computed, for :meth:`RowTable.commit`."""
+
+    table: "RowTable"
+    changes: int              # the table's change count it was prepared at
+    ids: np.ndarray
+    slots: np.ndarray         # -1 where fresh
+    fresh: np.ndarray         # bool: ids with no stored row yet
+    rows: np.ndarray | None   # the new rows (n, dim)
+    state: dict[str, np.ndarray]
+    step: int
+    t: int
 
 
 def _partition_of(ids: np.ndarray, num_partitions: int) -> np.ndarray:
@@ -81,6 +97,7 @@ class RowTable:
         self._epoch = 1                                  # stamp of changes now; mark() closes it
         self._deleted: list[tuple[int, np.ndarray]] = []  # (epoch, ids evicted in it)
         self._memo: list[tuple[np.ndarray, np.ndarray]] = []  # recent lookups' initial rows (sorted ids, rows)
+        self._changes = 0                                # commits and evictions so far (prepare/commit guard)
 
     def _grow(self, need: int) -> None:
         cap = self._cap
@@ -218,7 +235,15 @@ class RowTable:
         Refuses (``InvalidArgument``, nothing changed) a bad id, a repeated id, a
         non-finite gradient, or an update that would leave a non-finite row or
         optimizer state. Counts one optimizer step (``t``) even with no ids.
+        ``apply`` is ``commit(prepare(...))``.
         """
+        self.commit(self.prepare(ids, grads, step, hyper))
+
+    def prepare(self, ids: np.ndarray, grads: np.ndarray, step: int,
+                hyper: Mapping[str, float] | None = None) -> PreparedApply:
+        """The checks and arithmetic of :meth:`apply`, changing nothing: raises where ``apply`` would refuse.
+        :meth:`commit` then stores the result and cannot fail, so an update that spans several tables (and a
+        dense slice) can be checked whole before any part of it changes."""
         ids = self._check_ids(ids, "apply")
         d = self.spec.dim
         grads = np.asarray(grads)
@@ -241,8 +266,7 @@ class RowTable:
                     self._refuse(f"id {int(s[1:][dup][0])} appears more than once in one apply")
         t = self._t + 1
         if ids.size == 0:
-            self._t = t
-            return
+            return PreparedApply(self, self._changes, ids, ids, ids.astype(bool), None, {}, int(step), t)
         slots = self._map.find(ids)
         present = slots >= 0
         fresh = ~present
@@ -265,22 +289,32 @@ class RowTable:
         if bad.any():
             self._refuse(f"the update would leave a non-finite row or optimizer state for id "
                          f"{int(ids[bad][0])} ({int(bad.sum())} of {ids.size} rows); rolled back")
-        # commit: nothing above changed the table
+        return PreparedApply(self, self._changes, ids, slots, fresh, rows, state, int(step), t)
+
+    def commit(self, p: PreparedApply) -> None:
+        """Store a :meth:`prepare`'d update. It must be this table's, prepared since its last change."""
+        if p.table is not self or p.changes != self._changes:
+            raise FailedPrecondition(f"table {self.spec.name!r}: a prepared update is committed to the table and "
+                                     f"state it was prepared on only (the table changed since, or another table)")
+        self._changes += 1
+        self._t = p.t
+        if p.ids.size == 0:
+            return
+        slots, fresh = p.slots, p.fresh
         if fresh.any():
-            new_ids = ids[fresh]
+            new_ids = p.ids[fresh]
             new_slots = self._allocate(new_ids.size)
             self._map.insert(new_ids, new_slots)
             slots[fresh] = new_slots
             self._ids[new_slots] = new_ids
             self._count[new_slots] = 0
             self._live[new_slots] = True
-        self._rows[slots] = rows
-        for k, v in state.items():
+        self._rows[slots] = p.rows
+        for k, v in p.state.items():
             self._state[k][slots] = v
         self._count[slots] += 1
-        self._last[slots] = step
+        self._last[slots] = p.step
         self._stamp[slots] = self._epoch
-        self._t = t
 
     def evict(self, step: int) -> int:
         """Drop the rows the spec's policy names at table step ``step``; returns how many.
@@ -306,6 +340,7 @@ class RowTable:
         order = np.argsort(self._ids[slots], kind="stable")
         slots = slots[order]
         ids = self._ids[slots]
+        self._changes += 1
         self._map.delete(ids)
         self._live[slots] = False
         self._free = np.concatenate([self._free, slots[::-1]])
@@ -366,6 +401,7 @@ class RowTable:
         fresh._t = prev.t
         fresh._epoch = prev.upto + 1
         fresh._stamp[:] = 0
+        fresh._changes = self._changes + 1                 # an update prepared before the restore is stale
         self.__dict__.update(fresh.__dict__)
 
     def _check_snapshot(self, s: TableSnapshot, i: int, prev: TableSnapshot | None) -> None:

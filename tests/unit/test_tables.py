@@ -130,6 +130,32 @@ def test_refusals_change_nothing():
     assert t.digest() == d and t.nbytes == n and not t.contains(np.array([99]))[0] and t.step_count == 2
 
 
+def test_prepare_changes_nothing_and_commit_stores_it_once():
+    a, b = sgd(init_std=0.2), sgd(init_std=0.2)
+    for t in (a, b):
+        t.apply(np.array([1, 2]), grads(2), 0)
+    d = a.digest()
+    p = a.prepare(np.array([2, 3]), grads(2, seed=1), 1)
+    assert a.digest() == d and a.rows == 2
+    with pytest.raises(InvalidArgument, match="non-finite gradient"):
+        a.prepare(np.array([4]), np.full((1, 4), np.nan, np.float32), 1)
+    a.commit(p)
+    b.apply(np.array([2, 3]), grads(2, seed=1), 1)
+    assert a.digest() == b.digest() != d
+    with pytest.raises(FailedPrecondition, match="prepared on only"):
+        a.commit(p)                                     # twice
+    stale = a.prepare(np.array([5]), grads(1), 2)
+    a.apply(np.array([6]), grads(1), 2)
+    with pytest.raises(FailedPrecondition, match="prepared on only"):
+        a.commit(stale)                                 # the table changed since
+    with pytest.raises(FailedPrecondition, match="prepared on only"):
+        b.commit(a.prepare(np.array([5]), grads(1), 3))  # another table
+    before_restore = a.prepare(np.array([5]), grads(1), 3)
+    a.restore([a.snapshot(None)])
+    with pytest.raises(FailedPrecondition, match="prepared on only"):
+        a.commit(before_restore)
+
+
 def test_adagrad_state_overflow_is_rolled_back():
     t = RowTable(TableSpec("a", 2, None, "adagrad", {}), 0, 1)
     t.apply(np.array([4]), np.full((1, 2), 1e19, np.float32), 0)        # sum 1e38: finite
