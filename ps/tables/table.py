@@ -5,11 +5,14 @@ and its change stamp share one *slot* of arrays grown by doubling; an
 :class:`~shoal.ps.tables.idmap.IdMap` maps ids to slots, and slots freed by
 eviction are reused (last freed, first reused) before fresh ones.
 
-Only :meth:`apply` and :meth:`evict` (and :meth:`restore`) change the state, and
-both are deterministic functions of their arguments and the state, so a primary
-and a backup fed the same stream hold the same rows in the same slots.
-:meth:`lookup` never stores anything: a row that was never updated is its
-initial value, a pure function of (seed, id) (:func:`~shoal.ps.tables.init.initial_rows`).
+Only :meth:`apply` (``commit(prepare(...))``) and :meth:`evict` (and :meth:`restore`)
+change the state, and both are deterministic functions of their arguments and the
+state, so a primary and a backup fed the same stream hold the same rows in the
+same slots. :meth:`lookup` stores no row: a row that was never updated is its
+initial value, a pure function of (seed, id) (:func:`~shoal.ps.tables.init.initial_rows`);
+it only keeps the initial rows it computed in a small memo that the next applies
+read instead of computing them again (a saving, never a different value).
+Not thread-safe: the shard calls every method with its lock held.
 
 Incremental checkpoints: each change stamps the row's slot with the current
 epoch; :meth:`mark` closes an epoch and returns its number; ``snapshot(m)``
@@ -173,8 +176,9 @@ class RowTable:
         return out
 
     def _initial(self, ids: np.ndarray) -> np.ndarray:
-        """Initial rows of ``ids`` for an apply: from the last few lookups' where they computed them (a pure function of
-        (seed, id), so the memo is only a saving: a pull's rows are usually applied a step later), else afresh."""
+        """Initial rows of ``ids`` for an apply: from the last few lookups' where they computed them (a pure
+        function of (seed, id), so the memo is only a saving: a pull's rows are usually applied a step later),
+        else afresh."""
         out = np.empty((ids.size, self.spec.dim), np.float32)
         todo = np.ones(ids.size, bool)
         for memo_ids, memo_rows in self._memo:
