@@ -57,8 +57,9 @@ def table_rows(c) -> dict[int, int]:
     return out
 
 
-def test_a_table_of_2_to_the_40_rows_trains_async_and_no_worker_holds_it(cluster_factory):
-    c = cluster_factory(2, mode="async")
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_table_of_2_to_the_40_rows_trains_and_no_worker_holds_it(cluster_factory, mode):
+    c = cluster_factory(2, mode=mode, **({"staleness": 2} if mode == "ssp" else {}))
     ids, y, _ = planted(512)
     model = Ctr(ShardedEmbedding(HUGE, 4, optimizer="sgd", hyper={"lr": 0.2}, init_std=0.1))
     assert list(model.state_dict()) == ["head.weight", "head.bias"]       # the table is not the worker's
