@@ -135,10 +135,12 @@ class ShardTables:
             raise InvalidArgument(f"shard {self.shard}: an update's rows hold {bad} non-finite value(s) (NaN/Inf)")
 
     def apply(self, rows: Rows, version: int) -> None:
-        """One update's rows (the same call on a primary and on its backup); every :data:`EVICT_EVERY`
+        """One update's rows (the same call on a primary and on its backup), checked whole before any table
+        changes (``RowTable.prepare``, then ``commit``); every :data:`EVICT_EVERY`
         versions, an eviction pass over the tables that evict (deterministic: the backup drops the same rows)."""
-        for name, ids, grads in rows:
-            self.tables[name].apply(ids, grads, version)
+        prepared = [self.tables[name].prepare(ids, grads, version) for name, ids, grads in rows]   # may refuse
+        for name, p in zip((r[0] for r in rows), prepared):       # all or nothing: none refused, each commits
+            self.tables[name].commit(p)
         if version % EVICT_EVERY == 0:
             for table in self.tables.values():
                 if table.spec.evicts:
