@@ -19,7 +19,8 @@ trained table), then a mark, then ``--snapshot-steps`` (1,000) steps of ``--batc
 (ranks scattered over the table by a bijective multiply), then the incremental snapshot since the mark. Its
 ``to_bytes`` length is set against the full snapshot: measured for the stored rows, and for all 2^26 rows
 stored computed from the measured bytes per row of the same format (materialising 2^26 rows with their state
-takes ~10 GiB). One JSON object per case.
+takes ~13 GB): the measured full snapshot's header plus its arrays' bytes per row times 2^26. One JSON
+object per case.
 
     .venv/bin/python bench/table_apply.py [--sizes 20 22 24 26] [--steps 30] [--cases apply idmap snapshot]
 """
@@ -123,7 +124,11 @@ def snapshot_case(args, rng) -> dict:
     table = RowTable(spec, 0, 1)
     populate(table, rng.choice(n, size=args.stored, replace=False).astype(np.int64))
     mark = table.mark()
-    full_stored = len(table.snapshot(None).to_bytes())
+    full = table.snapshot(None)
+    full_stored = len(full.to_bytes())
+    per_row = full.nbytes / full.ids.size            # the arrays' bytes per row; the rest is the header
+    header = full_stored - full.nbytes
+    del full
     scatter = np.int64(0x9E3779B1)                      # odd: k -> k * c mod 2^k is a bijection
     touched = 0
     t0 = time.process_time()
@@ -135,10 +140,7 @@ def snapshot_case(args, rng) -> dict:
     steps_cpu = time.process_time() - t0
     inc = table.snapshot(mark)
     inc_bytes = len(inc.to_bytes())
-    # bytes per stored row of the format: (full - header) / rows, from the measured full snapshot
-    empty = len(RowTable(spec, 0, 1).snapshot(None).to_bytes())
-    per_row = (full_stored - empty) / args.stored
-    full_all = empty + per_row * n
+    full_all = header + per_row * n
     return {"case": "snapshot", "rows": n, "stored_before": args.stored, "steps": args.snapshot_steps,
             "batch_draws": args.batch, "zipf": args.zipf, "ids_applied": touched, "rows_changed": int(inc.ids.size),
             "incremental_bytes": inc_bytes, "full_bytes_stored_rows": full_stored,
