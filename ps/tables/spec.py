@@ -75,6 +75,10 @@ class TableSpec:
             raise InvalidArgument(f"table {self.name!r}: evict_min_count must be an int >= 0, "
                                   f"got {self.evict_min_count!r}")
 
+    def __hash__(self) -> int:            # the generated one would hash the hyper mapping, which cannot
+        return hash((self.name, self.dim, self.num_embeddings, self.optimizer, tuple(sorted(self.hyper.items())),
+                     self.init_std, self.seed, self.evict_after_steps, self.evict_min_count))
+
     @property
     def dynamic(self) -> bool:
         return self.num_embeddings is None

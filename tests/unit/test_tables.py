@@ -42,7 +42,8 @@ def test_spec_round_trips_through_a_plain_dict():
     spec = TableSpec("t", 8, 100, "adagrad", {"lr": 0.5}, init_std=0.05, seed=9, evict_after_steps=10)
     d = spec.to_dict()
     assert d["hyper"] == {"lr": 0.5} and type(d["hyper"]) is dict
-    assert TableSpec.from_dict(d) == spec
+    assert TableSpec.from_dict(d) == spec and hash(TableSpec.from_dict(d)) == hash(spec)
+    assert len({spec, TableSpec.from_dict(d), TableSpec("t", 8, 100)}) == 2
     with pytest.raises(InvalidArgument, match=r"unknown fields \['colour'\]"):
         TableSpec.from_dict({**d, "colour": 1})
 
