@@ -103,11 +103,17 @@ class TableSnapshot:
             raise InvalidArgument(f"table snapshot header is not JSON: {e}") from None
         base = _HEAD.size + hlen
         arrays: dict[str, np.ndarray] = {}
+        need = {"spec", "partition", "num_partitions", "since", "upto", "t", "arrays"}
+        if not isinstance(h, dict) or need - set(h):
+            raise InvalidArgument(f"table snapshot header lacks {sorted(need - set(h or {}))}")
         for name, dtype, shape, off, nb in h["arrays"]:
             if base + off + nb > len(mv):
                 raise InvalidArgument(f"table snapshot truncated: array {name!r} needs bytes "
                                       f"{base + off}..{base + off + nb} of {len(mv)}")
             arrays[name] = np.frombuffer(mv[base + off:base + off + nb], dtype=np.dtype(dtype)).reshape(shape)
+        missing = sorted({"ids", "rows", "count", "last_step", "deleted"} - set(arrays))
+        if missing:
+            raise InvalidArgument(f"table snapshot lacks the arrays {missing}")
         state = {k[len("state."):]: v for k, v in arrays.items() if k.startswith("state.")}
         return cls(spec=h["spec"], partition=h["partition"], num_partitions=h["num_partitions"],
                    since=h["since"], upto=h["upto"], t=h["t"], ids=arrays["ids"], rows=arrays["rows"],

@@ -1,6 +1,8 @@
 """A table partition's pure state (:class:`shoal.ps.tables.RowTable`): lazy rows, apply and its refusals,
 eviction and slot reuse, incremental snapshots and restore, export, memory; and the id map under it."""
 import io
+import json
+import struct
 
 import numpy as np
 import pytest
@@ -254,6 +256,10 @@ def test_snapshot_bytes_are_checked():
     with pytest.raises(InvalidArgument, match="table snapshot truncated: array 'state|table snapshot truncated"):
         TableSnapshot.from_bytes(data[:-1])
     assert TableSnapshot.from_bytes(data).ids.tolist() == [1, 2]
+    head = json.dumps({"spec": {}, "partition": 0, "num_partitions": 1, "since": None, "upto": 0, "t": 0,
+                       "arrays": []}).encode()
+    with pytest.raises(InvalidArgument, match=r"lacks the arrays \['count', 'deleted', 'ids'"):
+        TableSnapshot.from_bytes(b"SHTS" + struct.pack("<II", 1, len(head)) + head)
     f = io.BytesIO()
     assert t.snapshot(None).write_to(f) == len(data) and f.getvalue() == data
 
