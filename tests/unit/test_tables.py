@@ -324,3 +324,16 @@ def test_id_map_against_a_dict():
         assert m.size == len(ref)
     keys, slots = m.items()
     assert dict(zip(keys.tolist(), slots.tolist())) == ref
+
+
+def test_the_tables_do_not_import_torch():
+    """Pure state: numpy only (a server's table partitions need no torch)."""
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np; import shoal.ps.tables as T; from shoal.tables import partition_of; "
+            "t = T.RowTable(T.TableSpec('x', 4, None, 'adam'), 1, 2); ids = np.arange(50); "
+            "mine = ids[partition_of(ids, 2) == 1]; t.apply(mine, np.ones((mine.size, 4), np.float32), 1); "
+            "T.TableSnapshot.from_bytes(t.snapshot(None).to_bytes()); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
