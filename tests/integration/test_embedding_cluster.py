@@ -297,3 +297,35 @@ def test_a_hot_row_cache_serves_repeated_rows_in_async_and_is_refused_in_sync(cl
     s = cluster_factory(1, mode="sync")
     with pytest.raises(Exception, match="sync job"):
         Trainer(Ctr(ShardedEmbedding(10, 4)), chief=s.chief_address, row_cache=10)
+
+
+def test_rows_ride_the_jobs_token_a_lookup_without_it_is_refused():
+    import grpc
+
+    from harness import InProcessCluster
+    from shoal import auth, frames
+    from shoal.config import JobConfig
+    from shoal.proto import shoal_pb2 as pb
+    from shoal.wire import DataStubs
+
+    auth.use_token(b"0123456789abcdef-table-token")
+    c = InProcessCluster(2, JobConfig(num_shards=2, mode="async"))
+    try:
+        ids, y, _ = planted(64, seed=8)
+        model = Ctr(ShardedEmbedding(HUGE, 4, hyper={"lr": 0.1}))
+        t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1)
+        for xb, yb in t.batches((ids, y), batch_size=16, epochs=1):
+            t.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            t.step()
+        assert sum(table_rows(c).values()) > 0
+        t.close()
+        raw = grpc.insecure_channel(c.servers[0].address)       # no token
+        request = frames.pack(pb.RowsHeader(shard=0, table="emb", count=1), np.array([7], np.int64).tobytes())
+        with pytest.raises(grpc.RpcError) as err:
+            DataStubs(raw).lookup_rows(request, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        raw.close()
+    finally:
+        c.stop()
+        auth.reset()
