@@ -114,9 +114,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the data (planted model) and the model")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--log-every", type=int, default=500)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's intra-op threads (the model is small: more only help on idle cores)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     # the sparse optimizers build their coordinate tensors from indices they made themselves: say so, as
     # torch asks, rather than have it warn at the first step
     torch.sparse.check_sparse_tensor_invariants.disable()

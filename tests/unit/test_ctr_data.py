@@ -102,3 +102,28 @@ def test_bayes_auc_is_stable_high_and_beats_a_partial_model(cfg):
     weak = CTRConfig(rows=ROWS, seed=3, first_order_std=0.3, pairwise_std=0.1, dense_std=0.2)
     flat = CTRDataset(weak, "test", 20_000)
     assert 0.5 < flat.bayes_auc() < auc_a - 0.1
+
+
+def test_the_example_dlrm_learns_toward_the_bayes_auc():
+    import torch.nn.functional as F
+
+    import ctr
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        cfg = CTRConfig(rows=2 ** 14, seed=5)
+        train, test = CTRDataset(cfg, "train", 300 * 256), CTRDataset(cfg, "test", 5_000)
+        model = ctr.DLRM(cfg.rows)
+        (opt,) = ctr.optimizers(model, "adagrad", 0.01, 0.05)
+        untrained = ctr.evaluate(model, test)
+        with torch.sparse.check_sparse_tensor_invariants(enable=False):
+            for dense, ids, clicks in train.batches(256):
+                opt.zero_grad()
+                F.binary_cross_entropy_with_logits(model(dense, ids), clicks).backward()
+                opt.step()
+        auc, bayes = ctr.evaluate(model, test), test.bayes_auc()
+    finally:
+        torch.set_num_threads(threads)
+    assert untrained < 0.7 and 0.75 < auc < bayes
