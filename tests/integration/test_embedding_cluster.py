@@ -57,13 +57,13 @@ def table_rows(c) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_a_table_of_2_to_the_40_rows_trains_and_no_worker_holds_it(cluster_factory, mode):
+@pytest.mark.parametrize("mode,transport", [("async", "tcp"), ("ssp", "tcp"), ("async", "grpc")])
+def test_a_table_of_2_to_the_40_rows_trains_and_no_worker_holds_it(cluster_factory, mode, transport):
     c = cluster_factory(2, mode=mode, **({"staleness": 2} if mode == "ssp" else {}))
     ids, y, _ = planted(512)
     model = Ctr(ShardedEmbedding(HUGE, 4, optimizer="sgd", hyper={"lr": 0.2}, init_std=0.1))
     assert list(model.state_dict()) == ["head.weight", "head.bias"]       # the table is not the worker's
-    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1)
+    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1, transport=transport)
     try:
         before = loss_on(model, ids, y)
         for xb, yb in t.batches((ids, y), batch_size=32, epochs=6, batches_per_task=4):
