@@ -72,6 +72,9 @@ class OpenPush:
 class ShardExchange:
     """Push, pull and their failover paths (see the module docstring)."""
 
+    tables = None          # the Trainer's TableRouter (worker/tables.py): the model's embedding tables, if any
+    _row_push: dict[int, bytes] = {}    # set per step by the Trainer: each shard's row gradients (read only here)
+
     def _init_pipeline(self, push_window: int | None) -> None:
         """Sets up the step pipeline (worker/pipeline.py); called by ``Trainer.__init__``."""
         self.push_window = window_from(push_window)
@@ -315,7 +318,7 @@ class ShardExchange:
         self.momentum.reset(shard)
         if is_uninitialised(exc):
             client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a,
-                        tables_json=self.tables.specs_json())
+                        tables_json=self.tables.specs_json() if self.tables else "")
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
         self.versions[shard] = self._step_versions[shard] = version
         return version
