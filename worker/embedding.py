@@ -91,6 +91,16 @@ class _Served(torch.nn.Module):
             self._router.record(self, uniq, rows)
         return rows, inverse.view(ids.shape)
 
+    def prefetch(self, input: torch.Tensor) -> None:
+        """Starts pulling the rows of a coming batch's ids (``input`` as the forward will get it) in the
+        background, so that forward finds them pulled: in async/ssp call it before this batch's forward
+        (the rows are then a step old at most); in sync after ``step()`` (a prefetch from before the step's
+        update is not used)."""
+        if self._router is None:
+            raise FailedPrecondition(f"{type(self).__name__} {self.table_name}: prefetch needs the parameter "
+                                     f"servers: wrap the optimizer in shoal.worker.DistributedOptimizer first")
+        self._router.prefetch(self, input)
+
     def extra_repr(self) -> str:
         n = "dynamic" if self.num_embeddings is None else self.num_embeddings
         return f"{n}, {self.embedding_dim}, on the parameter servers"

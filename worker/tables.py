@@ -84,6 +84,9 @@ class TableRouter:
             if self.modules else None
         self.rows_pulled = 0
         self.rows_pushed = 0
+        self.rows_prefetched = 0
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rows-ahead") if self.modules else None
+        self._ahead_of: dict[str, tuple[np.ndarray, Any]] = {}     # table -> (ids, future of (rows, versions))
         size, steps = cache
         self.caches = {n: RowCache(size, steps, m.embedding_dim) for n, m in self.modules} if size > 0 else {}
 
@@ -108,42 +111,71 @@ class TableRouter:
     # ------------------------------------------------------------ forward
 
     def lookup(self, module: Any, uniq: torch.Tensor) -> torch.Tensor:
-        """The rows (fp32, ``(len(uniq), dim)``) of the unique ids ``uniq`` of ``module``'s table."""
+        """The rows (fp32, ``(len(uniq), dim)``) of the unique ids ``uniq`` of ``module``'s table: from a
+        :meth:`prefetch` of them where one is fresh enough, else the cache (async/ssp), else the shards."""
         ids = uniq.numpy()
         out = np.empty((len(ids), module.embedding_dim), dtype=np.float32)
-        cache = self.caches.get(module.table_name)
-        if cache is not None:
-            step = self.trainer.step_count
-            hit, rows = cache.get(ids, step)
-            out[hit] = rows
-            miss = np.flatnonzero(~hit)
-            if len(miss):
-                out[miss] = self._pull(module, ids[miss])
-                cache.put(ids[miss], out[miss], step)
-            return torch.from_numpy(out)
-        out[:] = self._pull(module, ids)
+        need = np.ones(len(ids), bool)
+        ahead = self._ahead_of.pop(module.table_name, None)
+        if ahead is not None:
+            p_ids, future = ahead
+            p_rows, versions = future.result()
+            # sync: only rows at the versions the worker's weights are at (a prefetch before the step's
+            # update is stale); async/ssp take them (at most the steps since the prefetch old)
+            if self.trainer.mode != "sync" or all(v >= self.trainer.versions.get(k, 0) for k, v in versions.items()):
+                pos = np.minimum(np.searchsorted(p_ids, ids), max(len(p_ids) - 1, 0))
+                hit = (p_ids[pos] == ids) if len(p_ids) else np.zeros(len(ids), bool)
+                out[hit] = p_rows[pos[hit]]
+                need &= ~hit
+                self.rows_prefetched += int(hit.sum())
+        if need.any():
+            rest = np.flatnonzero(need)
+            out[rest] = self._rows_of(module, ids[rest])
         return torch.from_numpy(out)
 
-    def _pull(self, module: Any, ids: np.ndarray) -> np.ndarray:
-        """The rows of unique ``ids`` from the shards that hold them, one lookup per shard, in parallel."""
+    def prefetch(self, module: Any, ids: torch.Tensor) -> None:
+        """Starts pulling the rows of ``ids`` (a coming batch's) in the background; the next :meth:`lookup`
+        of this table takes them (async/ssp: while this batch computes; sync: once the step is done)."""
+        uniq = torch.unique(ids.reshape(-1).to(torch.int64).cpu()).numpy()
+        assert self._ahead is not None
+        self._ahead_of[module.table_name] = (uniq, self._ahead.submit(self._pull, module, uniq))
+
+    def _rows_of(self, module: Any, ids: np.ndarray) -> np.ndarray:
+        """Rows of sorted unique ``ids``: the cache's where fresh (async/ssp), the rest from the shards."""
+        cache = self.caches.get(module.table_name)
+        if cache is None:
+            return self._pull(module, ids)[0]
+        out = np.empty((len(ids), module.embedding_dim), dtype=np.float32)
+        step = self.trainer.step_count
+        hit, rows = cache.get(ids, step)
+        out[hit] = rows
+        miss = np.flatnonzero(~hit)
+        if len(miss):
+            out[miss] = self._pull(module, ids[miss])[0]
+            cache.put(ids[miss], out[miss], step)
+        return out
+
+    def _pull(self, module: Any, ids: np.ndarray) -> tuple[np.ndarray, dict[int, int]]:
+        """The rows of unique ``ids`` from the shards that hold them, one lookup per shard, in parallel; and
+        each shard's version they are at."""
         out = np.empty((len(ids), module.embedding_dim), dtype=np.float32)
         parts = split_by_shard(ids, self.num_shards)
         assert self._pool is not None
         futures = {k: self._pool.submit(self._fetch, k, module, np.ascontiguousarray(ids[pos]))
                    for k, pos in parts.items()}
+        versions = {}
         for k, pos in parts.items():
-            out[pos] = futures[k].result()
+            out[pos], versions[k] = futures[k].result()
         self.rows_pulled += len(ids)
-        return out
+        return out, versions
 
-    def _fetch(self, shard: int, module: Any, ids: np.ndarray) -> np.ndarray:
+    def _fetch(self, shard: int, module: Any, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """One shard's rows, at the version of the worker's weights of that shard or later."""
         while True:
             client = self.trainer._clients[shard]
             try:
-                rows, _ = client.lookup_rows(module.table_name, ids, min_version=self.trainer.versions.get(shard, 0),
-                                             dtype=module.dtype_on_wire, timeout_s=LOOKUP_TIMEOUT_S)
-                return rows
+                return client.lookup_rows(module.table_name, ids, min_version=self.trainer.versions.get(shard, 0),
+                                          dtype=module.dtype_on_wire, timeout_s=LOOKUP_TIMEOUT_S)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.info("shard %d: rows of %s still waiting for version %d", shard, module.table_name,
@@ -183,6 +215,8 @@ class TableRouter:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=False)
         for _, m in self.modules:
             m._router = None
 

@@ -329,3 +329,50 @@ def test_rows_ride_the_jobs_token_a_lookup_without_it_is_refused():
     finally:
         c.stop()
         auth.reset()
+
+
+def test_prefetched_rows_serve_the_forward_in_async(cluster_factory):
+    c = cluster_factory(2, mode="async", replicas=1)
+    ids, y, _ = planted(256, seed=9)
+    model = Ctr(ShardedEmbedding(HUGE, 4, hyper={"lr": 0.2}, init_std=0.1))
+    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1)
+    try:
+        before, looked_up = loss_on(model, ids, y), 0
+        for xb, yb in t.batches((ids, y), batch_size=32, epochs=10):
+            model.emb.prefetch(xb)              # in a real loop: the next batch's, while this one computes
+            looked_up += len(torch.unique(xb))
+            t.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            t.step()
+        assert t.tables.rows_prefetched == looked_up
+        t.pull()
+        assert loss_on(model, ids, y) < 0.3 * before
+    finally:
+        t.close()
+
+
+def test_a_prefetch_from_before_a_sync_steps_update_is_not_used(cluster_factory):
+    c = cluster_factory(2, mode="sync", replicas=1)
+    ids, y, _ = planted(128, seed=10)
+    model = Ctr(ShardedEmbedding(HUGE, 4, hyper={"lr": 0.5}, init_std=0.1))
+    t = Trainer(model, chief=c.chief_address, optimizer="sgd", lr=0.1)
+    try:
+        it = iter(t.batches((ids, y), batch_size=32, epochs=1))
+        xb, yb = next(it)
+        model.emb.prefetch(xb)                  # at the version of the weights: used
+        t.zero_grad()
+        F.mse_loss(model(xb), yb).backward()
+        used = t.tables.rows_prefetched
+        assert used == len(torch.unique(xb))
+        model.emb.prefetch(xb)                  # before the step's update: stale once the step is done
+        t.step()
+        with torch.no_grad():
+            after = model(xb)
+            assert t.tables.rows_prefetched == used
+            assert torch.equal(after, model(xb))
+        for xb, yb in it:
+            t.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            t.step()
+    finally:
+        t.close()
