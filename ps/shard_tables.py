@@ -138,8 +138,14 @@ class ShardTables:
         """One update's rows (the same call on a primary and on its backup), checked whole before any table
         changes (``RowTable.prepare``, then ``commit``); every :data:`EVICT_EVERY`
         versions, an eviction pass over the tables that evict (deterministic: the backup drops the same rows)."""
-        prepared = [self.tables[name].prepare(ids, grads, version) for name, ids, grads in rows]   # may refuse
-        for name, p in zip((r[0] for r in rows), prepared):       # all or nothing: none refused, each commits
+        present = {r[0] for r in rows}
+        # adam's step count is global (SparseAdam's): a table whose partition got no rows in this update
+        # still takes its step, with no rows
+        ticks = [(name, np.empty(0, np.int64), np.empty((0, t.spec.dim), np.float32))
+                 for name, t in sorted(self.tables.items()) if name not in present and t.spec.optimizer == "adam"]
+        todo = [*rows, *ticks]
+        prepared = [self.tables[name].prepare(ids, grads, version) for name, ids, grads in todo]   # may refuse
+        for (name, _, _), p in zip(todo, prepared):       # all or nothing: none refused, each commits
             self.tables[name].commit(p)
         if version % EVICT_EVERY == 0:
             for table in self.tables.values():

@@ -130,3 +130,27 @@ def test_eviction_passes_run_on_primary_and_backup_alike():
     assert primary.version == EVICT_EVERY
     assert primary.table_status()[0]["rows"] == 1          # the row not updated for 8 steps is gone
     assert primary.digest() == backup.digest()
+
+
+def test_an_adam_table_steps_on_every_update_as_sparse_adam_does():
+    """SparseAdam's step count is global: an update that brought this partition no rows still counts."""
+    from shoal.ps.tables import initial_rows
+
+    s = shard(AsyncRule(), optimizer="adam", lr=0.1)
+    s.set_live_workers({"a"})
+    mine0, other = mine(count=1), mine(k=1, count=1)
+    n = int(max(mine0[0], other[0])) + 1
+    emb = torch.nn.Embedding(n, DIM, sparse=True)
+    with torch.no_grad():
+        ids = np.array([mine0[0], other[0]])
+        emb.weight[torch.from_numpy(ids)] = torch.from_numpy(initial_rows(7, ids, DIM, 1.0))
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    g = np.random.default_rng(1).standard_normal((3, DIM)).astype(np.float32)
+    for step, (row, grad) in enumerate([(mine0, g[0]), (other, g[1]), (mine0, g[2])]):
+        opt.zero_grad()
+        (emb(torch.from_numpy(row)) * torch.from_numpy(grad)).sum().backward()
+        opt.step()
+        held = rows(row, 0.0) if row is mine0 else ()
+        s.push("a", step, torch.zeros(2), rows=(("emb", row, grad[None, :]),) if held else ())
+    _, got = s.lookup_rows("emb", mine0)
+    torch.testing.assert_close(torch.from_numpy(got), emb.weight[torch.from_numpy(mine0)].detach())
