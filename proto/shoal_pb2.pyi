@@ -484,20 +484,22 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hparams: _Optional[_Mapping[str, float]] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("layout_fingerprint", "shard", "numel", "optimizer", "offset", "flat_start")
+    __slots__ = ("layout_fingerprint", "shard", "numel", "optimizer", "offset", "flat_start", "tables_json")
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     FLAT_START_FIELD_NUMBER: _ClassVar[int]
+    TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
     layout_fingerprint: str
     shard: int
     numel: int
     optimizer: OptimizerConfig
     offset: int
     flat_start: int
-    def __init__(self, layout_fingerprint: _Optional[str] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., offset: _Optional[int] = ..., flat_start: _Optional[int] = ...) -> None: ...
+    tables_json: str
+    def __init__(self, layout_fingerprint: _Optional[str] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., offset: _Optional[int] = ..., flat_start: _Optional[int] = ..., tables_json: _Optional[str] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("created", "version")
@@ -628,8 +630,48 @@ class DataChannelOffer(_message.Message):
     ticket: bytes
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
+class RowsHeader(_message.Message):
+    __slots__ = ("shard", "table", "count", "min_version", "timeout_seconds", "layout_fingerprint", "dtype", "version", "dim")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    table: str
+    count: int
+    min_version: int
+    timeout_seconds: float
+    layout_fingerprint: str
+    dtype: str
+    version: int
+    dim: int
+    def __init__(self, shard: _Optional[int] = ..., table: _Optional[str] = ..., count: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., layout_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class TableStatus(_message.Message):
+    __slots__ = ("name", "rows", "bytes", "bytes_per_row", "dim", "num_embeddings", "optimizer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    bytes: int
+    bytes_per_row: int
+    dim: int
+    num_embeddings: int
+    optimizer: str
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_row: _Optional[int] = ..., dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
+
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions", "optimizer", "nonfinite_refused", "guard_refused", "rolled_back", "expelled")
+    __slots__ = ("shard", "initialized", "version", "numel", "mode", "pushes_applied", "pushes_dropped", "bytes_in", "bytes_out", "round_pending", "ledger", "worker_clocks", "backup", "backup_state", "promotions", "optimizer", "nonfinite_refused", "guard_refused", "rolled_back", "expelled", "tables")
     class WorkerClocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -671,6 +713,7 @@ class ShardStatus(_message.Message):
     GUARD_REFUSED_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     EXPELLED_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -691,7 +734,8 @@ class ShardStatus(_message.Message):
     guard_refused: _containers.ScalarMap[str, int]
     rolled_back: int
     expelled: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., nonfinite_refused: _Optional[_Mapping[str, int]] = ..., guard_refused: _Optional[_Mapping[str, int]] = ..., rolled_back: _Optional[int] = ..., expelled: _Optional[_Iterable[str]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., round_pending: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEpoch, _Mapping]]] = ..., worker_clocks: _Optional[_Mapping[str, int]] = ..., backup: _Optional[str] = ..., backup_state: _Optional[str] = ..., promotions: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., nonfinite_refused: _Optional[_Mapping[str, int]] = ..., guard_refused: _Optional[_Mapping[str, int]] = ..., rolled_back: _Optional[int] = ..., expelled: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ...) -> None: ...
 
 class LedgerEpoch(_message.Message):
     __slots__ = ("epoch", "applied", "max_count")
@@ -790,7 +834,7 @@ class ReplicatedBatch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
-    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel", "hparams", "dtype", "entries", "nnz", "sparse")
+    __slots__ = ("shard", "version", "primary_id", "keys", "batches", "workers", "offset", "numel", "shard_numel", "hparams", "dtype", "entries", "nnz", "sparse", "rows_bytes", "rows_part")
     class HparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -812,6 +856,8 @@ class ReplicateHeader(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NNZ_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PART_FIELD_NUMBER: _ClassVar[int]
     shard: int
     version: int
     primary_id: str
@@ -826,7 +872,9 @@ class ReplicateHeader(_message.Message):
     entries: bool
     nnz: int
     sparse: bool
-    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ..., dtype: _Optional[str] = ..., entries: _Optional[bool] = ..., nnz: _Optional[int] = ..., sparse: _Optional[bool] = ...) -> None: ...
+    rows_bytes: int
+    rows_part: bool
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., primary_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., batches: _Optional[_Iterable[_Union[ReplicatedBatch, _Mapping]]] = ..., workers: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., shard_numel: _Optional[int] = ..., hparams: _Optional[_Mapping[str, float]] = ..., dtype: _Optional[str] = ..., entries: _Optional[bool] = ..., nnz: _Optional[int] = ..., sparse: _Optional[bool] = ..., rows_bytes: _Optional[int] = ..., rows_part: _Optional[bool] = ...) -> None: ...
 
 class InstallHeader(_message.Message):
     __slots__ = ("shard", "version", "primary_id", "offset", "total_bytes", "layout_fingerprint")

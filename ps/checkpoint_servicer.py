@@ -8,7 +8,9 @@ checkpoint's temporary directory, which lives on storage every role shares.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from shoal.ps.servicer import ps_guard
 from shoal.ps.shard import Shard
 from shoal.ps.update import count_nonfinite
 from shoal.rpc import grpc_errors, request_seconds
+from shoal.tables import read_chain, snapshot_file
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
         if request.stop - request.start != shard.numel:
             raise InvalidArgument(f"range [{request.start}, {request.stop}) does not fit shard {request.shard} "
                                   f"of {shard.numel} elements")
-        state = shard.export_state(request.start)
+        state = shard.export_state(request.start, checkpoint=True)
         if state.version != request.version:
             raise FailedPrecondition(f"shard {request.shard} is at version {state.version}, not at the "
                                      f"checkpoint's {request.version} (did its freeze expire?)")
@@ -81,6 +84,9 @@ class ShardControlServicer(pb_grpc.ShardControlServicer):
         frozen = shard.thaw() if request.thaw else 0.0
         t0 = time.perf_counter()
         try:
+            snaps = state.extra.pop("table_snapshots", None)
+            if snaps:
+                state.extra["tables"] = write_table_files(shard, directory.parent, state.version, snaps)
             entry = write_shard_file(directory, state)
         except (OSError, RuntimeError) as exc:
             raise _disk_error(exc, request.shard, directory) from None
@@ -121,6 +127,42 @@ def _pending_dir(directory: str) -> Path:
     return path
 
 
+def write_table_files(shard: Shard, root: Path, version: int, snaps: dict[str, dict]) -> dict[str, dict]:
+    """Writes each table's checkpoint snapshot (full, or the changes since the last full one) to its own
+    fsynced file under ``root/tables/`` (shoal/tables.py ``snapshot_file``); returns what the shard file
+    records of each table: its spec and the chain of files it restores from. Once a full one is on disk,
+    the files older than the full one before it are removed (two generations kept)."""
+    out = {}
+    for name, snap in snaps.items():
+        rel = snapshot_file(shard.shard_id, version, name, snap["kind"])
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(snap["data"])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        entry = {"file": rel, "bytes": len(snap["data"]), "sha256": hashlib.sha256(snap["data"]).hexdigest(),
+                 "version": version, "kind": snap["kind"], "rows": snap["rows"]}
+        with shard.exclusive():
+            previous = shard.tables.ckpt_base.get(name)
+            chain = shard.tables.checkpoint_written(name, snap["kind"], snap["mark"], entry)
+        if snap["kind"] == "full" and previous is not None:
+            _prune_table_files(path.parent, name, int(previous[1]["version"]))
+        out[name] = {"spec": snap["spec"], "num_shards": snap["num_shards"], "chain": chain}
+    return out
+
+
+def _prune_table_files(folder: Path, table: str, before: int) -> None:
+    for old in folder.glob(f"*-{table}.snap"):
+        try:
+            if int(old.name.split("-", 1)[0]) < before and old.name.split("-", 2)[2] == f"{table}.snap":
+                old.unlink()
+        except (ValueError, IndexError, OSError):
+            continue
+
+
 def write_shard_file(directory: Path, state: ShardState) -> dict:
     """Writes one shard's file (fsynced) into a pending checkpoint directory; returns its manifest entry."""
     pending = PendingCheckpoint(CheckpointWriter(directory.parent), state.version, directory)
@@ -135,7 +177,9 @@ def restore_shard(host: ShardHost, shard: int, path: str, job: JobConfig) -> Sha
     ckpt = open_checkpoint(path)
     plan = ShardPlan(ckpt.layout.numel, job.num_shards)
     state = ckpt.shard_state(plan, shard)
-    s = Shard.from_state(state, rule_for(job), ckpt.layout.fingerprint)
+    tables = state.extra.get("tables") or {}
+    snapshots = {name: read_chain(str(Path(ckpt.path).parent), entry) for name, entry in tables.items()}
+    s = Shard.from_state(state, rule_for(job), ckpt.layout.fingerprint, table_snapshots=snapshots or None)
     host.install(s)
     log.info("shard %d restored from %s: version %d, elements [%d, %d) of %d, from %d saved shard(s), in %.2fs",
              shard, ckpt.path, s.version, state.start, state.stop, ckpt.layout.numel, ckpt.num_shards,

@@ -26,6 +26,7 @@ from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import grpc_errors, request_seconds
 from shoal.ps.sparse import SparseGrad
 from shoal.wire import DATA_SERVICE, decode_chunk, decode_sparse_chunk, exact_dtype, is_sparse, iter_chunks
+from shoal.tables import ROWS_CODEC, encode_rows, ids_from, specs_from_json, unpack_rows
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class DataServicer:
             "ReplicateOne": grpc.unary_unary_rpc_method_handler(self.ReplicateOne),
             "Install": grpc.stream_unary_rpc_method_handler(self.Install),
             "OpenChannel": grpc.unary_unary_rpc_method_handler(self.OpenChannel),
+            "LookupRows": grpc.unary_unary_rpc_method_handler(self.LookupRows),
         })
 
     def OpenChannel(self, request: bytes, context) -> bytes:
@@ -144,10 +146,15 @@ class DataServicer:
         self.host.count(inbound=nbytes)
         spec = OptimizerSpec.from_json(first.optimizer.spec_json) if first.optimizer.spec_json else \
             OptimizerSpec(first.optimizer.name or "sgd", dict(first.optimizer.hparams))
+        tables = specs_from_json(first.tables_json)
         shard, created = self.host.create(first.shard, values, spec, first.layout_fingerprint,
                                           flat_start=first.flat_start)
         if shard.numel != first.numel:
             raise FailedPrecondition(f"shard {first.shard} has {shard.numel} elements, Init sent {first.numel}")
+        if tables:
+            made = shard.declare_tables(tables, self.host.job.num_shards)
+            if made:
+                log.info("shard %d holds partition %d of table(s) %s", first.shard, first.shard, ", ".join(made))
         return pb.InitReply(created=created, version=shard.version).SerializeToString()
 
     @grpc_errors
@@ -212,6 +219,26 @@ class DataServicer:
         self.host.count(outbound=len(frame))
         return frame
 
+    @grpc_errors
+    def LookupRows(self, request: bytes, context) -> bytes:
+        """Rows of one table by id (request: a RowsHeader and the ids as raw int64; reply: the rows in the
+        dtype asked for), once the shard is at ``min_version``."""
+        head, payload = frames.unpack(request, pb.RowsHeader)
+        ids = ids_from(payload, head.count)
+        if head.dtype not in ("", "float32", "float16", "bfloat16"):
+            raise InvalidArgument(f"unknown row dtype {head.dtype!r}; known: float32, float16, bfloat16")
+        shard = self.host.get(head.shard)
+        if head.layout_fingerprint and head.layout_fingerprint != shard.fingerprint:
+            raise FailedPrecondition(f"lookup for layout {head.layout_fingerprint}; shard holds {shard.fingerprint}")
+        if head.min_version > shard.version:
+            shard.wait_version(head.min_version, request_seconds(head.timeout_seconds, "LookupRows timeout_seconds",
+                                                                 30.0, MAX_PULL_WAIT_S))
+        version, rows = shard.lookup_rows(head.table, ids)
+        out = frames.pack(pb.RowsHeader(shard=head.shard, table=head.table, count=len(ids), version=version,
+                                        dtype=head.dtype, dim=rows.shape[1]), encode_rows(rows, head.dtype))
+        self.host.count(inbound=len(request), outbound=len(out))
+        return out
+
     def pull_ready(self, request: bytes) -> tuple[pb.PullRequest, Shard]:
         req = pb.PullRequest.FromString(request)
         shard = self.host.get(req.shard)
@@ -255,6 +282,7 @@ class PushAssembly:
         self.sparse = True     # every chunk so far came in a sparse codec (top-k)
         self.exact: str | None = None   # the narrower dtype every chunk so far is exact in ("": none)
         self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []   # theirs, shard-indexed, while sparse
+        self.rows: tuple | None = None   # the embedding rows' gradients (a last frame in codec "rows")
 
     def check(self, head: pb.PushHeader) -> None:
         if self.first is None:
@@ -269,6 +297,12 @@ class PushAssembly:
         elif (head.shard, head.key, head.version, head.worker_id) != \
                 (self.first.shard, self.first.key, self.first.version, self.first.worker_id):
             raise InvalidArgument("Push frames disagree on shard, key, version or worker")
+        if head.codec == ROWS_CODEC:
+            if self.rows is not None or self.covered != self.shard.numel or head.offset != self.covered \
+                    or head.numel != 0:
+                raise InvalidArgument(f"a push's rows come once, after all {self.shard.numel} elements of shard "
+                                      f"{head.shard}, at offset {self.shard.numel} with numel 0")
+            return
         self.sparse = self.sparse and is_sparse(head.codec)
         dtype = exact_dtype(head.codec)
         self.exact = dtype if self.exact is None or self.exact == dtype else ""
@@ -279,6 +313,9 @@ class PushAssembly:
 
     def place_encoded(self, head: pb.PushHeader, payload: memoryview) -> None:
         """Adds a chunk as it came on the wire (checked by :meth:`check`)."""
+        if head.codec == ROWS_CODEC:
+            self.rows = tuple(unpack_rows(payload))
+            return
         if self.sparse and self.grad is None:
             idx, values = decode_sparse_chunk(head.codec, payload, head.numel)
             self.entries.append((idx.add_(head.offset) if head.offset else idx, values))
@@ -325,7 +362,8 @@ class PushAssembly:
                                 reason=f"batch {over[0].epoch}/{over[0].start} belongs to an epoch that is over",
                                 applied_before=[pb.BatchRange(epoch=k.epoch, start=k.start) for k in over])
         r = shard.push(first.worker_id, first.version, grad, first.key, batches=batches,
-                       owned=self.owned, sparse=self.sparse, hparams=dict(first.hparams), exact=self.exact or "")
+                       owned=self.owned, sparse=self.sparse, hparams=dict(first.hparams), exact=self.exact or "",
+                       rows=self.rows or ())
         return pb.PushReply(accepted=r.accepted, version=r.version, reason=r.reason, duplicate=r.duplicate,
                             applied_before=[pb.BatchRange(epoch=k.epoch, start=k.start) for k in r.applied])
 
@@ -356,6 +394,7 @@ class StatusServicer(pb_grpc.ParameterServerServicer):
                               promotions=self.host.promotions, nonfinite_refused=s.nonfinite_counts(),
                               guard_refused=s.guard_counts(), rolled_back=s.guard.refusals.rolled_back,
                               expelled=sorted(s.guard.refusals.expelled),
+                              tables=[pb.TableStatus(**t) for t in s.table_status()],
                               optimizer=pb.OptimizerConfig(name=s.optimizer_spec.name,
                                                            hparams=dict(s.optimizer_spec.hparams),
                                                            spec_json=s.optimizer_spec.to_json()))

@@ -23,6 +23,7 @@ from shoal.ps.changes import ChangeLog
 from shoal.ps.guard import UpdateGuard, grad_norm, scaled
 from shoal.ps.shard_copies import ShardCopies
 from shoal.ps.shard_guard import ShardGuard
+from shoal.ps.shard_tables import Rows, ShardTables
 from shoal.ps.sparse import RoundSum, SparseGrad
 from shoal.ps.update import PushResult, Update, count_nonfinite
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
@@ -102,6 +103,23 @@ class Shard(ShardCopies, ShardGuard):
         self.nonfinite = "refuse"  # the job's --nonfinite policy (the host sets it from the job)
         self._nonfinite_streak: dict[str, int] = {}
         self.rounds = RoundTimer(clock)   # sync: which worker each round waited for (ps/round_timing.py)
+        self.tables = ShardTables(shard_id)    # embedding tables' partitions held here (ps/shard_tables.py)
+
+    def declare_tables(self, specs: list[dict], num_shards: int) -> list[str]:
+        """Holds partition ``shard_id`` of each table in ``specs`` (those held already must match)."""
+        with self._cond:
+            return self.tables.declare(specs, num_shards)
+
+    def lookup_rows(self, table: str, ids: np.ndarray) -> tuple[int, np.ndarray]:
+        """``(version, rows)`` of unique ``ids`` of ``table`` (rows never updated: their initial value)."""
+        with self._cond:
+            self._check_not_fenced()
+            return self.version, self.tables.lookup(table, ids)
+
+    def table_status(self) -> list[dict]:
+        """Rows, bytes and bytes per row of each table's partition here (shoal status, metrics)."""
+        with self._cond:
+            return self.tables.status()
 
     @property
     def numel(self) -> int:
@@ -116,7 +134,7 @@ class Shard(ShardCopies, ShardGuard):
     def push(self, worker: str, version: int, grad: torch.Tensor | SparseGrad, key: str = "",
              batch: BatchKey | None = None, wait_s: float = 30.0, owned: bool = False,
              sparse: bool = False, hparams: dict[str, float] | None = None,
-             batches: tuple[BatchKey, ...] = (), exact: str = "") -> PushResult:
+             batches: tuple[BatchKey, ...] = (), exact: str = "", rows: Rows = ()) -> PushResult:
         """Offers one worker's gradient for this shard; applies it when the rule says so.
 
         ``key`` names the push (a retry carries the same key and is applied once);
@@ -129,7 +147,9 @@ class Shard(ShardCopies, ShardGuard):
         ``hparams``: the user's current hyper-parameters (``"0.lr"``, ...; an LR scheduler's); the
         update that applies this push steps with the newest a push of its round carried. ``exact``: a
         narrower dtype that holds every value of ``grad`` exactly (``"bfloat16"``: a bf16 push); an
-        update of this push alone travels to the backup in it (ps/update_wire.py).
+        update of this push alone travels to the backup in it (ps/update_wire.py). ``rows``: the row
+        gradients of the embedding tables' ids this shard holds ``(table, ids, fp32 (n, dim))``, applied
+        with the dense gradient in the same update (summed per id over a sync round and averaged).
         """
         named = (batch, *batches) if batch is not None else tuple(batches)
         sparse = sparse or isinstance(grad, SparseGrad)
@@ -137,6 +157,10 @@ class Shard(ShardCopies, ShardGuard):
         if shape != (self.numel,):
             raise InvalidArgument(f"shard {self.shard_id} has {self.numel} elements, gradient has {shape}")
         bad = count_nonfinite(grad.values if isinstance(grad, SparseGrad) else grad)
+        if rows:
+            with self._cond:
+                rows = self.tables.check_push(rows)
+            bad += self.tables.count_nonfinite(rows)
         if bad:
             return self._refuse_nonfinite(worker, bad)
         if hparams:
@@ -195,6 +219,7 @@ class Shard(ShardCopies, ShardGuard):
                 self._round_sum.add(grad)
             self._round_workers.add(worker)
             self.rounds.arrived(worker)
+            self.tables.join_round(rows)
             self._nonfinite_streak.pop(worker, None)
             if hparams:
                 self._round_hparams.update(hparams)
@@ -263,7 +288,7 @@ class Shard(ShardCopies, ShardGuard):
         grad = self._round_sum.average(n)
         update = Update(self.version + 1, grad, tuple(self._round_keys), tuple(self._round_batches.items()),
                         tuple(sorted(self._round_workers)), self._round_sparse, tuple(sorted(self._round_hparams.items())),
-                        self._round_exact)
+                        self._round_exact, self.tables.close_round(n))
         r = self.replicator
         start = getattr(r, "start", None)
         if r is None:
@@ -324,6 +349,7 @@ class Shard(ShardCopies, ShardGuard):
         self._round_sum, self._round_workers, self._round_keys, self._round_batches = None, set(), [], {}
         self._round_present = set()
         self.rounds.reset()
+        self.tables.clear_round()
         self._cond.notify_all()
 
     def _check_not_fenced(self) -> None:
@@ -340,8 +366,12 @@ class Shard(ShardCopies, ShardGuard):
     def _apply(self, u: Update) -> None:
         """Takes one optimizer step (lock held): the same code on a primary and on its backup. A step that
         would leave a weight or the optimizer's state NaN/Inf is rolled back (the version, keys and ledger
-        still advance, the same on the backup, which rolls the same step back)."""
+        still advance, the same on the backup, which rolls the same step back). Table rows go first: a refused
+        row update leaves the dense slice as it was too (a dense step rolled back keeps its rows, which were
+        checked finite on their own: ps/tables)."""
         before = self.applied_hparams
+        if self.tables:
+            self.tables.apply(u.rows, u.version)
         if u.hparams:
             self._opt.set_hparams(dict(u.hparams))
             self.applied_hparams = self._opt.hparams()
@@ -391,6 +421,7 @@ class Shard(ShardCopies, ShardGuard):
             raise InvalidArgument(f"shard {self.shard_id}: the update to version {u.version} holds {bad} "
                                   f"non-finite value(s) (NaN/Inf); not applied")
         with self._cond:
+            self.tables.check_update(u.rows)
             check()
             if u.version <= self.version:
                 return self.version

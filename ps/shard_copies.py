@@ -17,18 +17,28 @@ from shoal.checkpoint_store import ShardState
 from shoal.config import OptimizerSpec
 from shoal.ps.changes import ChangeLog
 from shoal.ps.consistency import Rule
+from shoal.errors import FailedPrecondition
 from shoal.ps.ledger import ledger_from_extra, ledger_to_extra
 
 
 class ShardCopies:
-    def export_state(self, start: int = 0) -> ShardState:
-        """A copy of everything a restore needs; ``start`` is the shard's offset in the flat model."""
+    def export_state(self, start: int = 0, checkpoint: bool = False) -> ShardState:
+        """A copy of everything a restore needs; ``start`` is the shard's offset in the flat model. The
+        tables' partitions come whole (a backup's copy) or, for a ``checkpoint``, as the snapshots
+        :meth:`ShardTables.checkpoint_snapshots` takes (``extra["table_snapshots"]``: written to their own
+        files by the caller, ps/checkpoint_servicer.py)."""
         with self._cond:
             start = start or self.flat_start
+            if not self.tables:
+                tables = {}
+            elif checkpoint:
+                tables = {"table_snapshots": self.tables.checkpoint_snapshots()}
+            else:
+                tables = {"tables": self.tables.export()}
             return ShardState(self.shard_id, start, start + self.numel, self._param.detach().clone(),
                               self.optimizer_spec.saved_name, dict(self.optimizer_spec.hparams),
                               copy.deepcopy(self._opt.state_dict()), self.version,
-                              {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint})
+                              {**ledger_to_extra(self.ledger), "fingerprint": self.fingerprint, **tables})
 
     def export_replica(self) -> dict:
         """Everything a new backup needs to continue as this shard's copy (lock held by the caller or not)."""
@@ -50,6 +60,7 @@ class ShardCopies:
         """``(version, sha256)`` of the weights and the optimizer state: equal on identical copies."""
         with self._cond:
             h = hashlib.sha256(self._param.detach().numpy().tobytes())
+            self.tables.digest_into(h)
             for _, st in sorted(self._opt.state_dict()["state"].items()):
                 for name in sorted(st):
                     v = st[name]
@@ -59,12 +70,21 @@ class ShardCopies:
 
     @classmethod
     def from_state(cls, state: ShardState, rule: Rule, fingerprint: str,
-                   clock: Callable[[], float] = time.monotonic) -> "Shard":
-        """A shard rebuilt from a checkpoint: weights, optimizer state, version and ledger."""
+                   clock: Callable[[], float] = time.monotonic,
+                   table_snapshots: dict[str, list[bytes]] | None = None) -> "Shard":
+        """A shard rebuilt from a checkpoint: weights, optimizer state, version, ledger and its tables'
+        partitions (``table_snapshots``: each table's chain, for a checkpoint that keeps them in files)."""
+        sources = state.extra.get("resliced_from", ())
+        if any((src.get("extra") or {}).get("tables") for src in sources):
+            raise FailedPrecondition(f"shard {state.shard}: the checkpoint holds embedding tables and was saved "
+                                     f"with another number of shards; a job with tables restores onto the number "
+                                     f"of shards it was saved with")
         s = cls(state.shard, state.values, OptimizerSpec.from_saved(state.optimizer, dict(state.hparams)), rule,
                 fingerprint, clock, flat_start=state.start)
         s._opt.load_state_dict(state.opt_state)
         s.version = int(state.version)
         s.changes = ChangeLog(s.numel, s.version, s.optimizer_spec)
         s.ledger = ledger_from_extra(state.extra)
+        if state.extra.get("tables"):
+            s.tables.restore(state.extra["tables"], table_snapshots)
         return s

@@ -27,6 +27,7 @@ from shoal import tcp_channel as tc
 from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.update_wire import Incoming
+from shoal.tables import MAX_ROWS_BYTES, ROWS_CODEC
 from shoal.ps.servicer import DataServicer, PushAssembly
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,8 @@ class DataChannelServer:
         if raw:
             tc.recv_exactly(conn, push.raw_target(h))
             return None
-        if body_len > 16 * h.numel + (1 << 20):     # no codec comes near this: a broken or hostile peer
+        limit = MAX_ROWS_BYTES if h.codec == ROWS_CODEC else 16 * h.numel + (1 << 20)
+        if body_len > limit:     # no codec comes near this: a broken or hostile peer
             raise _Refused(InvalidArgument(f"a {h.codec} chunk of {body_len} bytes for {h.numel} elements"),
                            fatal=True)
         payload = bytearray(body_len)

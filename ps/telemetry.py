@@ -20,6 +20,15 @@ def collector(host):
                             ["shard", "role"], [([str(k), r], s.version) for k, s, r in copies])
         yield metrics.gauge("shoal_shard_bytes", "Bytes of each shard copy's fp32 weights",
                             ["shard", "role"], [([str(k), r], 4 * s.numel) for k, s, r in copies])
+        tables = [(k, r, t) for k, s, r in copies for t in s.table_status()]
+        yield metrics.gauge("shoal_table_rows", "Rows of an embedding table's partition a shard copy holds",
+                            ["table", "shard", "role"], [([t["name"], str(k), r], t["rows"]) for k, r, t in tables])
+        yield metrics.gauge("shoal_table_bytes", "Bytes of an embedding table's partition (rows and their optimizer "
+                            "state) a shard copy holds", ["table", "shard", "role"],
+                            [([t["name"], str(k), r], t["bytes"]) for k, r, t in tables])
+        yield metrics.gauge("shoal_table_bytes_per_row", "Bytes a row of an embedding table costs on a server "
+                            "(values, optimizer state, id and counters)", ["table"],
+                            [([n], v) for n, v in sorted({t["name"]: t["bytes_per_row"] for _, _, t in tables}.items())])
         applied = CounterMetricFamily("shoal_shard_pushes_applied", "Pushes a shard copy applied",
                                       labels=["shard", "role"])
         dropped = CounterMetricFamily("shoal_shard_pushes_dropped", "Pushes a shard copy dropped (late in a "

@@ -41,6 +41,8 @@ class Update:
     hparams: tuple[tuple[str, float], ...] = ()  # the hyper-parameters it steps with ("0.lr", ...); () unchanged
     exact: str = ""                            # a narrower dtype that holds every value of grad exactly
     #                                            ("bfloat16", "float16": one push in that codec), "" none
+    rows: tuple = ()                           # embedding rows' gradients: (table, unique ids, fp32 (n, dim))
+    #                                            each, summed over the round's pushes and averaged (ps/shard_tables.py)
 
     def dense_grad(self) -> torch.Tensor:
         """The gradient as one dense tensor (what a backup is sent); built once for a sparse one."""

@@ -14,6 +14,10 @@ exactly, but not always as dense fp32:
   sync round's average of several pushes is not exact in it and stays fp32.
 - otherwise dense fp32, as before.
 
+An update's embedding rows (:attr:`Update.rows`) travel after the gradient as one
+:func:`shoal.tables.pack_rows` blob of ``rows_bytes``: in the same body on the TCP
+channel, in frames of their own (``rows_part``) over gRPC.
+
 On the TCP data channel an update is one message (its header, then the body);
 over gRPC it is split into frames of ``chunk_bytes``, each header's
 ``offset``/``numel`` counting elements, or entries when ``entries`` is set.
@@ -34,6 +38,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.ps.ledger import BatchKey
 from shoal.ps.sparse import SparseGrad
 from shoal.ps.update import Update
+from shoal.tables import MAX_ROWS_BYTES, pack_rows, unpack_rows
 
 DTYPES = {"": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENTRY_BYTES = 12                # an int64 index and an fp32 value
@@ -77,12 +82,16 @@ def encode(u: Update) -> Encoded:
     return Encoded("", False, u.grad.numel(), None, u.grad)
 
 
+def _rows_blob(u: Update) -> bytes:
+    return pack_rows(u.rows) if u.rows else b""
+
+
 def _header(shard: int, primary_id: str, u: Update, enc: Encoded, offset: int, n: int,
-            first: bool) -> pb.ReplicateHeader:
+            first: bool, rows_bytes: int = 0) -> pb.ReplicateHeader:
     numel = u.grad.numel if isinstance(u.grad, SparseGrad) else u.grad.numel()
     head = pb.ReplicateHeader(shard=shard, version=u.version, primary_id=primary_id, offset=offset, numel=n,
                               shard_numel=numel, dtype=enc.dtype, entries=enc.entries,
-                              nnz=enc.count if enc.entries else 0, sparse=u.sparse)
+                              nnz=enc.count if enc.entries else 0, sparse=u.sparse, rows_bytes=rows_bytes)
     if first:
         head.hparams.update(dict(u.hparams))
         head.keys.extend(u.keys)
@@ -93,22 +102,29 @@ def _header(shard: int, primary_id: str, u: Update, enc: Encoded, offset: int, n
 
 def update_message(shard: int, primary_id: str, u: Update) -> tuple[bytes, bytes | memoryview]:
     """The update sent whole (the TCP data channel): its header's bytes and its body."""
-    enc = encode(u)
-    return _header(shard, primary_id, u, enc, 0, enc.count, True).SerializeToString(), enc.body()
+    enc, rows = encode(u), _rows_blob(u)
+    head = _header(shard, primary_id, u, enc, 0, enc.count, True, len(rows)).SerializeToString()
+    return head, (b"".join((enc.body(), rows)) if rows else enc.body())
 
 
 def update_frames(shard: int, primary_id: str, u: Update, chunk_bytes: int) -> list[bytes]:
     """The update as gRPC frames of about ``chunk_bytes`` each; the first also carries keys, ledger
     entries and workers."""
-    enc = encode(u)
+    enc, rows = encode(u), _rows_blob(u)
     per = max(1, chunk_bytes // enc.itemsize)
     out, off = [], 0
     while True:
         n = min(per, enc.count - off)
-        out.append(frames.pack(_header(shard, primary_id, u, enc, off, n, off == 0), enc.chunk(off, n)))
+        out.append(frames.pack(_header(shard, primary_id, u, enc, off, n, off == 0, len(rows)), enc.chunk(off, n)))
         off += n
         if off >= enc.count:
-            return out
+            break
+    for at in range(0, len(rows), max(1, chunk_bytes)):
+        part = rows[at:at + max(1, chunk_bytes)]
+        head = _header(shard, primary_id, u, enc, at, len(part), False, len(rows))
+        head.rows_part = True
+        out.append(frames.pack(head, part))
+    return out
 
 
 class Incoming:
@@ -127,27 +143,30 @@ class Incoming:
                                   f"shard of {first.shard_numel} elements: entries are fp32, at most one an element")
         if not first.entries and first.nnz:
             raise InvalidArgument(f"a dense replicated update that names {first.nnz} entries")
+        if not 0 <= first.rows_bytes <= MAX_ROWS_BYTES:
+            raise InvalidArgument(f"a replicated update with {first.rows_bytes} bytes of rows (at most {MAX_ROWS_BYTES})")
         self.first = first
         self.count = first.nnz if first.entries else first.shard_numel
         self.itemsize = ENTRY_BYTES if first.entries else DTYPES[first.dtype].itemsize
         self.covered = 0
+        self.rows_covered = 0
         self._raw: torch.Tensor | None = None
 
     def open(self, check: Callable[[pb.ReplicateHeader], None] = lambda h: None) -> "Incoming":
         """``check(first header)`` may refuse the update; then its buffer is allocated."""
         check(self.first)
-        self._raw = torch.empty(self.count * self.itemsize, dtype=torch.uint8)
+        self._raw = torch.empty(self.body_bytes, dtype=torch.uint8)
         return self
 
     @property
     def body_bytes(self) -> int:
-        return self.count * self.itemsize
+        return self.count * self.itemsize + self.first.rows_bytes
 
     def check_whole(self, body_len: int) -> None:
         """An update sent whole (the TCP channel) must cover everything its header counts, in ``body_len``
         bytes; checked before :meth:`open`."""
         h = self.first
-        if body_len != self.body_bytes or h.offset != 0 or h.numel != self.count:
+        if body_len != self.body_bytes or h.offset != 0 or h.numel != self.count or h.rows_part:
             raise InvalidArgument(f"a replicated update of {body_len} bytes for [{h.offset}, +{h.numel}): sent "
                                   f"whole, it must hold all {self.count} {'entries' if h.entries else 'elements'}, "
                                   f"{self.body_bytes} bytes")
@@ -155,12 +174,14 @@ class Incoming:
     def whole(self) -> memoryview:
         """Where a body sent whole goes, once :meth:`check_whole` passed; counts it placed."""
         assert self._raw is not None, "open() first"
-        self.covered = self.count
+        self.covered, self.rows_covered = self.count, self.first.rows_bytes
         return frames.tensor_bytes(self._raw)
 
     def place(self, head: pb.ReplicateHeader, payload: memoryview) -> None:
         """One gRPC frame's chunk, in order."""
         f = self.first
+        if head.rows_part:
+            return self._place_rows(head, payload)
         if (head.shard, head.version, head.shard_numel, head.dtype, head.entries, head.nnz) != \
                 (f.shard, f.version, f.shard_numel, f.dtype, f.entries, f.nnz) \
                 or head.offset != self.covered or head.offset + head.numel > self.count:
@@ -179,25 +200,40 @@ class Incoming:
             self._raw[item * a:item * (a + n)] = _view(payload)
         self.covered += n
 
+    def _place_rows(self, head: pb.ReplicateHeader, payload: memoryview) -> None:
+        """A gRPC frame of the rows blob: after every chunk of the gradient, in order."""
+        f, base = self.first, self.count * self.itemsize
+        if (head.shard, head.version, head.rows_bytes) != (f.shard, f.version, f.rows_bytes) \
+                or self.covered != self.count or head.offset != self.rows_covered \
+                or len(payload) != head.numel or head.offset + head.numel > f.rows_bytes:
+            raise InvalidArgument(f"replicated rows [{head.offset}, +{head.numel}) do not continue at "
+                                  f"{self.rows_covered} of {f.rows_bytes} bytes")
+        assert self._raw is not None, "open() first"
+        self._raw[base + head.offset:base + head.offset + head.numel] = _view(payload)
+        self.rows_covered += head.numel
+
     def update(self) -> Update:
         """The received update, once every chunk is in; a sparse one's indices are checked."""
         f = self.first
-        if self._raw is None or self.covered != self.count:
+        if self._raw is None or self.covered != self.count or self.rows_covered != f.rows_bytes:
             raise InvalidArgument(f"replicated update covers {self.covered} of {self.count} "
-                                  f"{'entries' if f.entries else 'elements'}")
+                                  f"{'entries' if f.entries else 'elements'} and {self.rows_covered} of "
+                                  f"{f.rows_bytes} bytes of rows")
+        base = self.count * self.itemsize
+        rows = tuple(unpack_rows(self._raw[base:].numpy().tobytes())) if f.rows_bytes else ()
         if f.entries:
             idx = self._raw[:8 * self.count].view(torch.int64)
             if not bool((idx[1:] > idx[:-1]).all()):
                 raise InvalidArgument("a replicated update's indices are not strictly increasing")
-            grad: torch.Tensor | SparseGrad = SparseGrad(idx, self._raw[8 * self.count:].view(torch.float32),
+            grad: torch.Tensor | SparseGrad = SparseGrad(idx, self._raw[8 * self.count:base].view(torch.float32),
                                                          f.shard_numel)
         else:
-            grad = self._raw.view(DTYPES[f.dtype])
+            grad = self._raw[:base].view(DTYPES[f.dtype])
             if f.dtype:
                 grad = grad.to(torch.float32)
         batches = tuple((BatchKey(b.epoch, b.start), b.owner) for b in f.batches)
         return Update(f.version, grad, tuple(f.keys), batches, tuple(f.workers), sparse=f.sparse,
-                      hparams=tuple(sorted(f.hparams.items())), exact=f.dtype)
+                      hparams=tuple(sorted(f.hparams.items())), exact=f.dtype, rows=rows)
 
 
 def _view(payload: bytes | memoryview) -> torch.Tensor:

@@ -106,6 +106,12 @@ class Checkpoint:
         return ShardState(k, start, stop, values.clone(), name, hparams,
                           opt_state_from_flat(name, tensors, scalars, hparams), version, extra)
 
+    def shard_extra(self, k: int) -> dict[str, Any]:
+        """What saved shard ``k``'s file holds besides its slice (ledger, embedding tables' partitions)."""
+        if not 0 <= k < self.num_shards:
+            raise InvalidArgument(f"shard {k} is outside checkpoint {self.path}'s {self.num_shards} shard(s)")
+        return dict(self._payload(k).get("extra") or {})
+
     # ------------------------------------------------------------ internals
 
     def _version_extra(self, start: int, stop: int, pieces: list[Piece]) -> tuple[int, dict]:
@@ -293,9 +299,11 @@ def export_to_file(ckpt_path_or_root: str | Path, out_path: str | Path) -> Path:
 
 
 def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path,
-                      check: "Callable[[Checkpoint], None] | None" = None) -> tuple[Path, "Checkpoint"]:
+                      check: "Callable[[Checkpoint], None] | None" = None,
+                      extend: Callable[["Checkpoint", dict, Path], Any] | None = None) -> tuple[Path, "Checkpoint"]:
     """:func:`export_to_file`, also returning the checkpoint it exported (its step, its path). ``check``
-    sees the checkpoint before anything is written and may refuse it (raise)."""
+    sees the checkpoint before anything is written and may refuse it (raise); ``extend(ckpt, state_dict,
+    out)`` may add to the state_dict before it is written (``shoal export``: embedding tables)."""
     import torch
 
     src = Path(ckpt_path_or_root)
@@ -306,7 +314,10 @@ def export_checkpoint(ckpt_path_or_root: str | Path, out_path: str | Path,
         check(ckpt)
     out = Path(out_path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(export_state_dict(ckpt), tmp)
+    state = export_state_dict(ckpt)
+    if extend is not None:
+        extend(ckpt, state, out)
+    torch.save(state, tmp)
     os.replace(tmp, out)
     log.info("exported %s (step %d, %d parameter(s)) to %s", ckpt.path, ckpt.step, len(ckpt.layout), out)
     return out, ckpt

@@ -26,6 +26,7 @@ REPLICATE = f"/{DATA_SERVICE}/Replicate"
 REPLICATE_ONE = f"/{DATA_SERVICE}/ReplicateOne"
 INSTALL = f"/{DATA_SERVICE}/Install"
 OPEN_CHANNEL = f"/{DATA_SERVICE}/OpenChannel"
+LOOKUP_ROWS = f"/{DATA_SERVICE}/LookupRows"    # embedding rows by id (shoal/tables.py)
 
 # Pull payload encodings (weights, not gradients: no error feedback needed).
 PULL_ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2}
@@ -147,3 +148,4 @@ class DataStubs:
         self.replicate_one = channel.unary_unary(REPLICATE_ONE)
         self.install = channel.stream_unary(INSTALL)
         self.open_channel = channel.unary_unary(OPEN_CHANNEL)
+        self.lookup_rows = channel.unary_unary(LOOKUP_ROWS)

@@ -11,11 +11,17 @@ A plain PyTorch loop, three lines changed::
             loss_fn(model(x), y).backward()
             opt.step()          # push gradients, pull weights
 
+A model's embedding tables can live on the parameter servers instead (never on a worker): build
+``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` on the ``meta`` device, or use
+:class:`ShardedEmbedding`/:class:`ShardedEmbeddingBag` (docs/embeddings.md).
+
 The lower layer, :class:`Trainer`, takes an optimizer by name and yields batches itself
 (``trainer.batches(data, batch_size, epochs)``).
 """
+from shoal.worker.embedding import ShardedEmbedding, ShardedEmbeddingBag, table_options
 from shoal.worker.optimizer import DistributedOptimizer
 from shoal.worker.sampler import DistributedSampler
 from shoal.worker.trainer import Trainer
 
-__all__ = ["DistributedOptimizer", "DistributedSampler", "Trainer"]
+__all__ = ["DistributedOptimizer", "DistributedSampler", "ShardedEmbedding", "ShardedEmbeddingBag", "Trainer",
+           "table_options"]

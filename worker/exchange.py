@@ -22,6 +22,7 @@ import torch
 
 from shoal.dataset import Task
 from shoal.proto import shoal_pb2 as pb
+from shoal.tables import ROWS_CODEC
 from shoal.worker import accumulate
 from shoal.worker.pipeline import Pipeline, push_order, window_from, worker_rank
 from shoal.worker.ps_client import is_uninitialised
@@ -70,6 +71,9 @@ class OpenPush:
 
 class ShardExchange:
     """Push, pull and their failover paths (see the module docstring)."""
+
+    tables = None          # the Trainer's TableRouter (worker/tables.py): the model's embedding tables, if any
+    _row_push: dict[int, bytes] = {}    # set per step by the Trainer: each shard's row gradients (read only here)
 
     def _init_pipeline(self, push_window: int | None) -> None:
         """Sets up the step pipeline (worker/pipeline.py); called by ``Trainer.__init__``."""
@@ -222,6 +226,9 @@ class ShardExchange:
             if self.encoder.tag == "none":
                 grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
+        rows = self._row_push.get(shard)
+        if rows:        # the embedding rows' gradients: the push's last frame (shoal/tables.py)
+            chunks = [*chunks, (b - a, 0, ROWS_CODEC, rows)]
         extra = accumulate.header_fields(group)
         if hparams:
             extra["hparams"] = hparams
@@ -310,7 +317,8 @@ class ShardExchange:
         self._held.pop(shard, None)
         self.momentum.reset(shard)
         if is_uninitialised(exc):
-            client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
+            client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a,
+                        tables_json=self.tables.specs_json() if self.tables else "")
         version, _ = client.pull(torch.empty(b - a, dtype=torch.float32), 0, "none")
         self.versions[shard] = self._step_versions[shard] = version
         return version

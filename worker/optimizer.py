@@ -40,6 +40,8 @@ from shoal.errors import InvalidArgument
 from shoal.layout import ModelLayout
 from shoal.optim import OPTIMIZERS, numeric_hparams
 from shoal.worker.accumulate import Accumulation
+from shoal.worker.embedding import find_tables, swap_meta_embeddings
+from shoal.worker.tables import row_defaults
 from shoal.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,34 @@ def _registered(cls: type, groups: list, num_params: int) -> OptimizerSpec | Non
     return spec if same else None
 
 
+def _serve_meta_tables(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[str, dict[str, float]]:
+    """The model's ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` on the ``meta`` device become tables served
+    by the parameter servers (shoal/worker/embedding.py); their weights leave the optimizer's param groups, and
+    the row optimizer is the one the user's optimizer (or the group that held the weight) stands for.
+    Returns the default row optimizer for tables that name none."""
+    swapped = swap_meta_embeddings(model)
+    held = {id(w): m for _, w, m in swapped}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if p.device.type == "meta" and id(p) not in held]
+    if stray:
+        raise InvalidArgument(f"torch.optim.{type(optimizer).__name__} holds a meta tensor {list(stray[0].shape)} that "
+                              f"is no longer the model's: the table it belonged to was served already. Wrap the "
+                              f"optimizer of the tables (e.g. SparseAdam) in DistributedOptimizer before the dense one")
+    if any(m._router is not None for _, m in find_tables(model)) and swapped:
+        raise InvalidArgument("the model's tables are served already: wrap every optimizer in DistributedOptimizer "
+                              "before the first forward")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            m = held.get(id(p))
+            if m is not None and m.row_optimizer is None:
+                m.row_optimizer, hyper = row_defaults(optimizer, group)
+                m.hyper = {**hyper, **m.hyper}
+        group["params"] = [p for p in group["params"] if id(p) not in held]
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]] or optimizer.param_groups[:1]
+    for path, _, _ in swapped:
+        log.info("%s (on the meta device) is served by the parameter servers", path)
+    return row_defaults(optimizer) if find_tables(model) else ("sgd", {})
+
+
 class _Distributed:
     """Mixed in before the user's optimizer class: ``step`` and ``zero_grad`` go through the trainer."""
 
@@ -168,6 +198,46 @@ class _Distributed:
             trainer.close()
 
 
+class _TablesOnly:
+    """Mixed in before a user's optimizer that held only tables now served by the parameter servers (say
+    ``SparseAdam`` over the embeddings, next to ``Adam`` over the rest): it settled their row optimizer; the
+    DistributedOptimizer of the dense part pushes their rows with its own, so ``step``/``zero_grad`` do nothing
+    here, and the rest goes to that one's :class:`Trainer`."""
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            with torch.enable_grad():
+                return closure()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    @property
+    def trainer(self) -> Trainer:
+        trainer = active_trainer()
+        if trainer is None:
+            raise InvalidArgument("no DistributedOptimizer of the model's dense part serves these tables yet")
+        return trainer
+
+    def report(self, **values: float) -> None:
+        self.trainer.report(**values)
+
+    def synchronize(self) -> None:
+        self.trainer.pull()
+
+    def close(self) -> None:
+        return None
+
+
+def _tables_only(optimizer: torch.optim.Optimizer):
+    base = type(optimizer)
+    cls = type(base.__name__, (_TablesOnly, base), {"__module__": __name__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    return wrapped
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                          backward_passes_per_step: int | None = None, **trainer_options: Any):
     """Wraps the user's optimizer: same class, param groups and hyper-parameters, run on the shards.
@@ -186,6 +256,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if isinstance(optimizer, _Distributed):
         raise InvalidArgument("this optimizer is already a DistributedOptimizer")
     Accumulation((), backward_passes_per_step, trainer_options.get("overlap", False))  # checked before joining
+    held_tables = any(p.device.type == "meta" for g in optimizer.param_groups for p in g["params"])
+    defaults = _serve_meta_tables(optimizer, model)
+    if held_tables and not any(g["params"] for g in optimizer.param_groups):
+        return _tables_only(optimizer)      # e.g. SparseAdam over the tables: the dense optimizer's step pushes them
+    trainer_options.setdefault("table_defaults", defaults)
     spec = spec_from_torch(optimizer, model)
     # pushes start at step(), after whatever the loop does to the gradients (clipping, a GradScaler's
     # unscale_); overlap=True starts each shard's push during backward() instead, for speed

@@ -23,6 +23,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.rpc import open_channel
 from shoal.wire import DataStubs, decode_weights, pull_itemsize
+from shoal.tables import decode_rows
 from shoal import tcp_client
 from shoal.tcp_channel import ChannelError
 from shoal.tcp_client import TcpDataChannel, negotiate
@@ -131,8 +132,9 @@ class ShardClient:
 
     @_cancelled_once_closed
     def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60,
-             flat_start: int = 0) -> pb.InitReply:
-        """``flat_start``: the shard's first element in the flat model (where the param groups fall)."""
+             flat_start: int = 0, tables_json: str = "") -> pb.InitReply:
+        """``flat_start``: the shard's first element in the flat model (where the param groups fall).
+        ``tables_json``: the embedding tables whose partition this shard holds (shoal/tables.py)."""
         opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams), spec_json=optimizer.to_json())
         raw = frames.tensor_bytes(values)
         per = max(1, self.grpc_chunk_bytes // 4)
@@ -142,7 +144,7 @@ class ShardClient:
             while True:
                 n = min(per, self.numel - off)
                 head = pb.InitHeader(layout_fingerprint=self.fingerprint, shard=self.shard, numel=self.numel,
-                                     offset=off, optimizer=opt, flat_start=flat_start)
+                                     offset=off, optimizer=opt, flat_start=flat_start, tables_json=tables_json)
                 yield frames.pack(head, raw[off * 4:(off + n) * 4])
                 off += n
                 if off >= self.numel:
@@ -173,6 +175,21 @@ class ShardClient:
         else:
             reply = pb.PushReply.FromString(self._stubs.push(iter(framed), timeout=timeout_s))
         return reply, sent
+
+    @_cancelled_once_closed
+    def lookup_rows(self, table: str, ids: np.ndarray, min_version: int = 0, dtype: str = "float32",
+                    timeout_s: float = 60) -> tuple[np.ndarray, int]:
+        """The rows (fp32, ``(len(ids), dim)``) of unique ``ids`` of ``table`` this shard holds, once it is at
+        ``min_version``; and the shard's version they are at. Over gRPC (the job token and TLS of the channel)."""
+        head = pb.RowsHeader(shard=self.shard, table=table, count=len(ids), min_version=min_version,
+                             timeout_seconds=timeout_s * 0.9, layout_fingerprint=self.fingerprint,
+                             dtype="" if dtype == "float32" else dtype)
+        reply = self._stubs.lookup_rows(frames.pack(head, np.ascontiguousarray(ids, dtype=np.int64).tobytes()),
+                                        timeout=timeout_s)
+        rh, payload = frames.unpack(reply, pb.RowsHeader)
+        if rh.count != len(ids):
+            raise RuntimeError(f"shard {self.shard}: a lookup of {len(ids)} rows of {table!r} got {rh.count}")
+        return decode_rows(payload, rh.dtype, rh.count, rh.dim), rh.version
 
     @_cancelled_once_closed
     def pull(self, out: torch.Tensor, min_version: int = 0, codec: str = "none",

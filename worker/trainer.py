@@ -42,6 +42,7 @@ from shoal.worker.routes import ShardRoutes, is_failover
 from shoal.worker.push import GradientEncoder
 from shoal.worker.staging import Staging
 from shoal.worker.telemetry import StepClock, WorkerTelemetry, after_step
+from shoal.worker.tables import TableRouter
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class Trainer(ShardExchange):
     (:mod:`shoal.worker.momentum`). ``push_window`` (default ``$SHOAL_PUSH_WINDOW`` or 0: no limit): at
     most this many shard pushes unanswered at once, each shard's pull starting when its push is
     answered (:mod:`shoal.worker.pipeline`; for slow links, with more shards than servers).
+    ``table_defaults``: the row optimizer ``(name, hyper)`` of the model's embedding tables on the servers
+    (:mod:`shoal.worker.embedding`) that name none (default: ``sgd`` with the optimizer's ``lr``).
+    ``row_cache`` (async/ssp): keep up to this many hot rows of each table on the worker, each served for
+    ``row_cache_steps`` steps after its pull before it is pulled again (:class:`shoal.worker.tables.RowCache`).
     """
 
     def __init__(self, model: torch.nn.Module, *, chief: str | None = None,
@@ -97,8 +102,12 @@ class Trainer(ShardExchange):
                  compression: str | None = None, pull_codec: str | None = None, overlap: bool = True,
                  transport: str | None = None, delta_pulls: bool = True, momentum_correction: bool = True,
                  ready_timeout_s: float = 120.0, connect_timeout_s: float | None = None, hparams_source: Callable[[], dict[str, float]] | None = None, push_window: int | None = None,
-                 **hparams: float):
+                 table_defaults: tuple[str, dict[str, float]] | None = None, row_cache: int = 0,
+                 row_cache_steps: int = 1, **hparams: float):
         tune_malloc()
+        if row_cache < 0 or row_cache_steps < 1:
+            raise InvalidArgument(f"row_cache must be >= 0 rows and row_cache_steps >= 1, got {row_cache} and "
+                                  f"{row_cache_steps}")
         self.model = model
         self.chief_address = chief or os.environ.get("SHOAL_CHIEF", "")
         if not self.chief_address:
@@ -152,6 +161,18 @@ class Trainer(ShardExchange):
         view = self.chief.wait_view(lambda v: v.ready, ready_timeout_s)
         self.mode = view.job.mode
         self.plan = ShardPlan(self.layout.numel, view.job.num_shards)
+        lr = spec.hparams.get("lr") if not spec.groups else spec.groups[0].hparams.get("lr")
+        if row_cache and view.job.mode == "sync":
+            self.chief.leave()
+            self.chief.close()
+            raise InvalidArgument(f"row_cache={row_cache} in a sync job: a row cache serves rows older than the "
+                                  f"round; it takes async or ssp")
+        self.tables = TableRouter(model, view.job.num_shards, self, table_defaults or
+                                  ("sgd", {"lr": float(lr)} if isinstance(lr, (int, float)) else {}),
+                                  cache=(row_cache, row_cache_steps))
+        self._row_push: dict[int, bytes] = {}     # this step's row gradients, a blob per shard
+        if self.tables:
+            overlap = False     # a shard's push carries the rows' gradients, known only once backward is done
         self._bind_flat_buffers()
         self.staging = Staging(self.flat_weights, self.flat_grads, self.plan.ranges)
         self.routes = ShardRoutes(self.chief, view, self._client, lambda: self.chief.member_id)
@@ -269,7 +290,8 @@ class Trainer(ShardExchange):
             while True:                 # a server that dies meanwhile: follow the view, as the pulls do
                 client = self._clients[shard]
                 try:
-                    reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a)
+                    reply = client.init(self.flat_weights[a:b].cpu(), self.optimizer, flat_start=a,
+                                        tables_json=self.tables.specs_json())
                     break
                 except grpc.RpcError as exc:
                     if not is_failover(exc):
@@ -313,6 +335,7 @@ class Trainer(ShardExchange):
             self._readiness.arm()
         for p in self._params:
             p.grad = None
+        self.tables.zero_grad()
 
     def step(self, samples: int = 0, loss: Any = None, batches: int = 1) -> None:
         """Pushes this step's gradients to every shard and pulls the new weights.
@@ -328,6 +351,7 @@ class Trainer(ShardExchange):
         t0 = time.perf_counter()
         early = self._readiness.take() if self._readiness is not None else {}
         self._gather_grads()
+        self._row_push = self.tables.collect() if self.tables else {}
         group = self._current_group(batches)
         samples = samples or sum(b.stop - b.start for b in group)
         versions = self._step_versions if early else dict(self.versions)
@@ -416,6 +440,8 @@ class Trainer(ShardExchange):
         and the batch (with a sampler: the next ``batches``, accumulated) goes back to the chief, so the
         ledger still gets every batch once."""
         group, self._group = self._current_group(batches), ()
+        if self.tables:
+            self.tables.collect()           # the skipped step's row gradients go nowhere
         if not group or self._feed is None:
             return
         log.info("step skipped: batch(es) %s go back to the chief", [f"{b.task.epoch}/{b.start}" for b in group])
@@ -492,6 +518,7 @@ class Trainer(ShardExchange):
             feed.close()
         self.chief.leave()
         self._pool.shutdown(wait=False)
+        self.tables.close()
         self.routes.close()
         self.chief.close()
 

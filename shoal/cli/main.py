@@ -317,6 +317,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shoal.checkpoint_store import read_failure
 
     from shoal.cli.export_check import check_fresh, job_record
+    from shoal.cli.tables_export import export_tables
 
     def check(ckpt) -> None:
         if args.allow_stale:
@@ -326,11 +327,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         if found is not None:
             check_fresh(ckpt.step, Path(ckpt.path), *found)
 
+    tables: list[str] = []
     try:
-        out, ckpt = export_checkpoint(args.checkpoint, args.out, check)
+        out, ckpt = export_checkpoint(args.checkpoint, args.out, check,
+                                      lambda ck, state, path: tables.extend(export_tables(ck, state, path)))
     except OSError as exc:
         raise ShoalError(f"cannot export {args.checkpoint} to {args.out}: {exc}") from exc
     print(f"wrote {out}: step {ckpt.step} from {ckpt.path}")
+    for line in tables:
+        print(f"  {line}")
     failure = read_failure(Path(ckpt.path).parent)
     if failure is not None and failure["step"] > ckpt.step:
         print(f"warning: {failure.get('failures', 1)} later checkpoint attempt(s) failed, the newest at step "
@@ -404,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare(sub, _job_args)
     sub.choices["compare"].set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save)")
+    p = sub.add_parser("export", help="write a checkpoint's weights as a plain state_dict (torch.save); "
+                                      "fixed embedding tables go into it, dynamic ones beside it as "
+                                      "<out>.<table>.rows.npz")
     p.add_argument("checkpoint", help="a checkpoint directory, or the checkpoint dir (its newest valid checkpoint)")
     p.add_argument("out", help="output file, e.g. model.pt")
     p.add_argument("--journal", default=os.environ.get("SHOAL_JOURNAL", ""),

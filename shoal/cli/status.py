@@ -35,6 +35,9 @@ def collect(chief: str, timeout_s: float = 5.0) -> dict[str, Any]:
                          round_pending=st.round_pending, clocks=dict(st.worker_clocks),
                          nonfinite=dict(st.nonfinite_refused), guard_refused=dict(st.guard_refused),
                          rolled_back=st.rolled_back, expelled=list(st.expelled),
+                         tables=[{"name": t.name, "rows": t.rows, "bytes": t.bytes, "bytes_per_row": t.bytes_per_row,
+                                  "dim": t.dim, "num_embeddings": t.num_embeddings or None,
+                                  "optimizer": t.optimizer} for t in st.tables],
                          ledger=[{"epoch": e.epoch, "batches": e.applied, "max_count": e.max_count}
                                  for e in st.ledger])
         except grpc.RpcError as exc:
@@ -195,6 +198,7 @@ def render(s: dict[str, Any]) -> str:
         backup = f"{sh['backup'] or '-'}{'*' if sh['backup'] and not sh.get('backup_complete') else ''}"
         out.append(f"{sh['shard']:<6} {sh['primary']:<10} {backup:<10} {sh['version']:>8} {sh['applied']:>8} "
                    f"{sh['dropped']:>8}  {ledger}")
+    out += tables_lines(s["shards"])
     if s.get("alerts"):
         out += ["", "alerts (latest occurrence of each):"]
         out += [f"  {a['kind']:<15} {a['member']:<12} step {a['step']}" for a in s["alerts"]]
@@ -208,6 +212,23 @@ def render(s: dict[str, Any]) -> str:
         out += ["", "updates refused by the update guard (docs/update-safety.md): " + ", ".join(guarded) +
                 (f"; {rolled} step(s) rolled back" if rolled else "")]
     return "\n".join(out)
+
+
+def tables_lines(shards: list[dict[str, Any]]) -> list[str]:
+    """The embedding tables on the servers: rows held and memory, per table and shard (nothing without tables)."""
+    rows = [(t, sh["shard"]) for sh in shards for t in sh.get("tables", ())]
+    if not rows:
+        return []
+    out = ["", f"{'table':<16} {'shard':<6} {'rows':>12} {'memory':>10} {'bytes/row':>9}  size, row optimizer"]
+    for t, k in sorted(rows, key=lambda r: (r[0]["name"], r[1])):
+        size = f"{t['num_embeddings']:,} x {t['dim']}" if t["num_embeddings"] else f"dynamic x {t['dim']}"
+        out.append(f"{t['name']:<16} {k:<6} {t['rows']:>12,} {_mib(t['bytes']):>10} {t['bytes_per_row']:>9}  "
+                   f"{size}, {t['optimizer']}")
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def to_json(s: dict[str, Any]) -> str:
