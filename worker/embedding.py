@@ -122,6 +122,8 @@ class ShardedEmbedding(_Served):
                     init_std, seed, evict_after_steps, evict_min_count, dtype_on_wire)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``nn.Embedding``'s forward: the rows of ``input``'s ids, pulled from the servers (unique ids, one
+        pull per shard); the backward pass pushes only those rows' gradients."""
         rows, inverse = self._rows(input)
         return F.embedding(inverse.to(rows.device), rows)
 
@@ -148,6 +150,8 @@ class ShardedEmbeddingBag(_Served):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``nn.EmbeddingBag``'s forward (``offsets``, ``per_sample_weights`` and ``mode`` as there), over the
+        rows of ``input``'s ids pulled from the servers; the backward pass pushes only those rows' gradients."""
         rows, inverse = self._rows(input)
         return F.embedding_bag(inverse.to(rows.device), rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset)
