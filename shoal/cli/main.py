@@ -182,6 +182,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.transport:
         os.environ["SHOAL_TRANSPORT"] = args.transport
     _push_window_env(args)
+    _epochs_env(args)
     os.environ.update(observe.worker_env(args))
     if args.connect_timeout is not None:
         if not args.connect_timeout > 0:
@@ -212,6 +213,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epochs_env(args: argparse.Namespace) -> None:
+    """``--epochs`` reaches ``shoal.worker.distribute()`` in every worker as ``$SHOAL_EPOCHS``."""
+    if args.epochs is not None:
+        if args.epochs < 1:
+            raise InvalidArgument(f"--epochs must be >= 1, got {args.epochs}")
+        os.environ["SHOAL_EPOCHS"] = str(args.epochs)
+
+
 def _push_window_env(args: argparse.Namespace) -> None:
     """``--push-window`` reaches the workers' Trainer as ``$SHOAL_PUSH_WINDOW`` (worker/pipeline.py)."""
     if args.push_window is not None:
@@ -224,6 +233,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     from shoal.cli.local import LocalConfig, run_local
 
     _push_window_env(args)
+    _epochs_env(args)
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
@@ -405,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "is answered (default: $SHOAL_PUSH_WINDOW or 0, every push at once); for slow "
                             "links, with --num-shards well above the servers (bench/RESULTS.md, issue 16)")
         observe.add_args(p, alerts=True)
+        p.add_argument("--epochs", type=int, default=None,
+                       help="epochs the job trains, for a script that adopts shoal with "
+                            "shoal.worker.distribute() (as $SHOAL_EPOCHS; default: the job file's train.epochs)")
         p.add_argument("script", nargs="?", help="the training script (default: the job file's train.script)")
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)
