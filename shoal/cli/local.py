@@ -38,7 +38,8 @@ from shoal.cli.progress import Console, result_lines
 from shoal.cli.records import add_records, build_summary, read_settled, violation, write_json
 from shoal.cli import observe
 from shoal.cli.ending import finish
-from shoal.cli.supervise import RestartPolicy, failure_signature, stopped_in_journal, traceback_tail
+from shoal.cli.threads import WorkerThreads
+from shoal.cli.supervise import RestartPolicy, failure_signature, job_data_done, stopped_in_journal, traceback_tail
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class LocalCluster:
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
         self.scaler: WorkerScaler | None = None
+        self.threads = WorkerThreads(cfg.num_workers)      # each worker's share of the cores
 
     def _secure(self) -> None:
         """A job token and mutual TLS for every role started from here (their files in the run dir),
@@ -257,7 +259,8 @@ class LocalCluster:
         return self._spawn(name, ["worker", "--chief", self.chief_address, "--compression", self.cfg.compression,
                                   "--pull-codec", self.cfg.pull_codec, "--transport", self.cfg.transport,
                                   self.cfg.script, *self.cfg.script_args],
-                           {"SHOAL_LOCAL_INDEX": index, **observe.local_worker_env(self.cfg, int(index or 0), self.run_dir)})
+                           {"SHOAL_LOCAL_INDEX": index, **self.threads.env(),
+                            **observe.local_worker_env(self.cfg, int(index or 0), self.run_dir)})
 
     def workers(self) -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith("worker")]
@@ -321,16 +324,7 @@ class LocalCluster:
             self._spawn(name, args, env)
 
     def _data_done(self) -> bool:
-        """Whether the chief counts every data task of the job done (False when it cannot be asked)."""
-        try:
-            channel = open_channel(self.chief_address)
-            try:
-                stats = pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=5)
-            finally:
-                channel.close()
-        except grpc.RpcError:
-            return False
-        return stats.tasks_total > 0 and stats.tasks_done >= stats.tasks_total
+        return job_data_done(self.chief_address)
 
     def _on_failure(self, name: str, child: Child, code: int, now: float, exits: dict[str, int]) -> None:
         """Restart ``name`` later, or give up on it, or (an exit that would repeat) stop the run now."""

@@ -109,6 +109,26 @@ class RestartPolicy:
         return self.restarts[name]
 
 
+def job_data_done(chief_address: str) -> bool:
+    """Whether the chief counts every data task of the job done (False when it cannot be asked): a worker
+    that fails then has trained its share, and the job's end does not wait on it."""
+    import grpc
+
+    from shoal.proto import shoal_pb2 as pb
+    from shoal.proto import shoal_pb2_grpc as pb_grpc
+    from shoal.rpc import open_channel
+
+    try:
+        channel = open_channel(chief_address)
+        try:
+            stats = pb_grpc.ChiefStub(channel).GetJobStats(pb.Empty(), timeout=5)
+        finally:
+            channel.close()
+    except grpc.RpcError:
+        return False
+    return stats.tasks_total > 0 and stats.tasks_done >= stats.tasks_total
+
+
 def stopped_in_journal(path: Path) -> bool:
     """Whether a dead chief's journal says it had stopped the job (a shard lost every copy). Killed after
     it stopped the job and before it exited to say so (EXIT_ROLLBACK), it left every other role on the

@@ -130,3 +130,15 @@ def test_a_script_bug_stops_the_run_at_its_second_crash_with_the_scripts_error(t
     assert cluster.restarts == {"worker0": 1}
     assert "failed the same way twice" in str(stopped.value)
     assert "ValueError: bad batch at step 10" in str(stopped.value) and "train.py\", line 33" in str(stopped.value)
+
+
+def test_each_local_worker_gets_its_share_of_the_cores_unless_the_user_chose(caplog):
+    from shoal.cli.threads import WorkerThreads, usable_cores, worker_threads
+
+    assert worker_threads(2, cores=16) == 8 and worker_threads(4, cores=2) == 1 and worker_threads(3, cores=8) == 2
+    threads = WorkerThreads(2, env={})
+    with caplog.at_level("INFO", logger="shoal.cli.local"):
+        first, second = threads.env(), threads.env()
+    assert first == second == {"OMP_NUM_THREADS": str(max(1, usable_cores() // 2))}
+    assert len([r for r in caplog.records if "intra-op thread" in r.getMessage()]) == 1      # said once
+    assert WorkerThreads(2, env={"OMP_NUM_THREADS": "3"}).env() == {}
