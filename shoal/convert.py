@@ -41,7 +41,7 @@ def job_to_pb(job: JobConfig) -> pb.JobConfig:
 def job_from_pb(msg: pb.JobConfig) -> JobConfig:
     return JobConfig(mode=msg.mode, backup_workers=msg.backup_workers, staleness=msg.staleness,
                      num_shards=msg.num_shards, lease_seconds=msg.lease_seconds, replicas=msg.replicas,
-                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "refuse")
+                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "skip")
 
 
 def view_to_pb(view: View) -> pb.ClusterView:

@@ -43,8 +43,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                    help="a shard that lost every copy: consistent (default) rolls back to the newest checkpoint, "
                         "fast goes on from a worker's weights")
     p.add_argument("--nonfinite", choices=NONFINITE, default=None,
-                   help="a gradient holding NaN/Inf is never applied: refuse (default; the worker fails after "
-                        "a few in a row), skip (counted in shoal status) or stop (the worker fails at once)")
+                   help="a gradient holding NaN/Inf is never applied: skip (default; its batch counts as "
+                        "skipped in the ledger and the summary, the run goes on), refuse (the job stops after a "
+                        "few in a row from one worker) or stop (the job stops at the first, naming worker and step)")
 
 
 def _job_from(args: argparse.Namespace, num_shards: int) -> JobConfig:

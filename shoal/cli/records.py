@@ -83,6 +83,9 @@ def add_records(summary: dict[str, Any], shards: dict | None, replicas: dict | N
         if ckpt is not None:
             summary["ledger_checkpoint"] = ckpt
         summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in report["shards"]}
+        skipped = batches_skipped(report)
+        if skipped:
+            summary["batches_skipped"] = skipped
         if unread:      # the primary did not answer: its (empty) reply is not taken as that shard's record
             summary["shard_errors"] = unread
     if replicas is not None:
@@ -90,6 +93,13 @@ def add_records(summary: dict[str, Any], shards: dict | None, replicas: dict | N
         summary["replicas_identical"] = replicas_identical(replicas)
     if final_step is not None:
         summary["final_checkpoint_step"] = final_step
+
+
+def batches_skipped(report: dict) -> int:
+    """Pushes the servers refused for NaN/Inf (``--nonfinite``), on the shard that refused the most: each
+    names the batch it trained, which the job then counts as skipped (one batch a push, more with
+    gradient accumulation)."""
+    return max((sum(sh.get("nonfinite", {}).values()) for sh in report["shards"]), default=0)
 
 
 def _without_shards(summary: dict[str, Any]) -> dict | None:
