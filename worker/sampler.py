@@ -177,23 +177,27 @@ class DistributedSampler(Sampler[int]):
         feed.stop_fetching(later)
 
     def _hand_out_short(self, partial: list[tuple[Task, bytes]], feed: TaskFeed) -> Iterator[int]:
-        """The tasks that end in a short batch, at the end of the iteration. The DataLoader makes one
-        batch of whatever short batches come last, so the largest task goes first and a lone short
-        batch (one a skipped step or a sync round handed back) joins its short batch while they fit
-        in one batch: that step's push names each of them. Any other waits for the next iteration
-        (never this one: taking it again here would loop for ever)."""
+        """The tasks that end in a short batch, at the end of the iteration: first the full batches of
+        each (they keep the DataLoader's batches aligned with the tasks), then their short last batches,
+        which the DataLoader makes one batch of while they fit in one: that step's push names each of
+        them. A task whose short batch does not fit waits for the next iteration (never this one: taking
+        it again here would loop for ever)."""
         partial = sorted(partial, key=lambda item: item[0].start - item[0].stop)
-        joined, deferred = 0, []
-        for i, (task, token) in enumerate(partial):
+        tails, joined, deferred = [], 0, []
+        for task, token in partial:
             short = (task.stop - task.start) % self.batch_size
-            if i == 0:
-                joined = short
-                yield from self._hand_out(task, token, feed, release=False)
-            elif task.stop - task.start == short and joined + short <= self.batch_size:
+            if joined + short <= self.batch_size:
                 joined += short
-                yield from self._hand_out(task, token, feed, join=True, release=False)
+                tails.append((task, token, task.stop - short))
             else:
                 deferred.append((task, token))
+        for task, _, tail in tails:              # a tail's step must not finish its task before it is handed out
+            self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + 1
+        for task, token, tail in tails:
+            if tail > task.start:
+                yield from self._hand_out(task, token, feed, release=False, stop=tail)
+        for i, (task, token, tail) in enumerate(tails):
+            yield from self._hand_out(task, token, feed, join=i > 0, release=False, start=tail, counted=True)
         self._later.extendleft(reversed(deferred))
 
     def _take(self, epoch: int, feed: TaskFeed, holding: bool, empty: bool = False) -> tuple[Task, bytes] | None:
@@ -227,23 +231,27 @@ class DistributedSampler(Sampler[int]):
                 return None
             return item
 
-    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed, join: bool = False,
-                  release: bool = True) -> Iterator[int]:
-        """Records the task's batches and yields its sample indices. ``join``: the task is one short
-        batch that the DataLoader puts in one batch with the short batch before it: one record of both."""
+    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed, join: bool = False, release: bool = True,
+                  start: int | None = None, stop: int | None = None, counted: bool = False) -> Iterator[int]:
+        """Records the task's batches (those in ``[start, stop)``, by default all) and yields their sample
+        indices. ``join``: one short batch that the DataLoader puts in one batch with the short batch
+        before it: one record of both. ``counted``: its batches were counted in ``_remaining`` already."""
         order = self._permutation(task.epoch)
-        batches = [BatchContext(task, token, start, min(task.stop, start + self.batch_size))
-                   for start in range(task.start, task.stop, self.batch_size)]
+        start = task.start if start is None else start
+        stop = task.stop if stop is None else stop
+        batches = [BatchContext(task, token, b, min(stop, b + self.batch_size))
+                   for b in range(start, stop, self.batch_size)]
         if join and self._records:
             last = self._records.pop()
             self._records.append((*(last if isinstance(last, tuple) else (last,)), *batches))
         else:
             self._records.extend(batches)
-        self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + len(batches)
+        if not counted:
+            self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + len(batches)
         if release:
             feed.release()                       # the feed may fetch the next task meanwhile
         self._released.discard(task.task_id)
-        yield from order[task.start:task.stop].tolist()
+        yield from order[start:stop].tolist()
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         perm = self._perms.get(epoch)

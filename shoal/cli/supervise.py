@@ -9,7 +9,8 @@ within ``crash_loop_s`` of the role's start (a crash loop). A worker (the user's
 script) that fails the same way twice in a row is not restarted again, however
 long each run lasted: the same exception type raised at the same line of its
 traceback, or, without a traceback, the same exit code (a bug at step 10 fails
-at step 10 every time; restarting it only spreads the crash over minutes). For
+at step 10 every time; restarting it only spreads the crash over minutes); so
+is a worker whose traceback is one another worker of the job failed with. For
 those the run fails at once with the role's last lines, instead of restarting
 it for minutes.
 
@@ -78,6 +79,7 @@ class RestartPolicy:
         self.restarts: dict[str, int] = {}
         self._quick: dict[str, int] = {}      # role -> its last exit code, if that came soon after its start
         self._failed: dict[str, str] = {}     # worker -> how its last run failed (failure_signature)
+        self._tracebacks: dict[str, str] = {}  # a traceback's signature -> the worker that failed with it first
 
     def on_exit(self, name: str, code: int, started: float, now: float, signature: str = "") -> Decision:
         """``code``: the exit status (negative: killed by that signal); ``started``: when this run of the role
@@ -97,6 +99,10 @@ class RestartPolicy:
         if signature and code > 0 and same == signature:
             return Decision(False, why=f"failed the same way twice in a row ({signature}): a bug, not a "
                                        f"transient failure", fatal=True)
+        first = self._tracebacks.setdefault(signature, name) if not signature.startswith("exit ") else name
+        if signature and code > 0 and first != name:     # two workers of one script, one traceback: a bug
+            return Decision(False, why=f"failed the same way as {first} ({signature}): a bug, not a transient "
+                                       f"failure", fatal=True)
         if not self.enabled:
             return Decision(False, why="--no-restart")
         n = self.restarts.get(name, 0)

@@ -142,3 +142,13 @@ def test_each_local_worker_gets_its_share_of_the_cores_unless_the_user_chose(cap
     assert first == second == {"OMP_NUM_THREADS": str(max(1, usable_cores() // 2))}
     assert len([r for r in caplog.records if "intra-op thread" in r.getMessage()]) == 1      # said once
     assert WorkerThreads(2, env={"OMP_NUM_THREADS": "3"}).env() == {}
+
+
+def test_two_workers_failing_with_one_traceback_stop_the_run_at_the_second():
+    p = RestartPolicy(crash_loop_s=30.0)
+    sig = failure_signature(1, BUG_AT_STEP_10.splitlines())
+    assert p.on_exit("worker0", 1, 0.0, 40.0, sig).restart
+    d = p.on_exit("worker1", 1, 0.0, 41.0, sig)
+    assert not d.restart and d.fatal and "the same way as worker0" in d.why
+    assert p.on_exit("worker2", 1, 0.0, 42.0, "exit 1").restart        # no traceback: per worker only
+    assert p.on_exit("worker3", 1, 0.0, 43.0, "exit 1").restart
