@@ -293,7 +293,7 @@ class LocalCluster:
                 if name.startswith("worker") and code > 0 and self._data_done():
                     child._pump.join(timeout=1)
                     log.warning("%s exited with %s after the job's data was done; the job is not failed for "
-                                "it: %s", name, code, traceback_tail(child.tail, 1))
+                                "it: %s", self.shown(name), code, traceback_tail(child.tail, 1))
                     self.exits[name] = code
                     self.after_data.add(name)
                 else:
@@ -323,6 +323,13 @@ class LocalCluster:
                 args = self._same_port(args)
             self._spawn(name, args, env)
 
+    def shown(self, name: str) -> str:
+        """A child as the chief names it (``worker-0``, what its log lines and ``shoal status`` show), with
+        the launcher's own name when they differ (``worker-0 (process worker1)``)."""
+        names = getattr(self.out, "names", None)
+        member = names.get(name) if names is not None else name
+        return member if member == name else f"{member} (process {name})"
+
     def _data_done(self) -> bool:
         return job_data_done(self.chief_address)
 
@@ -332,7 +339,7 @@ class LocalCluster:
         signature = failure_signature(code, child.tail) if name.startswith("worker") else ""
         d = self.policy.on_exit(name, code, child.started, now, signature)
         if d.restart:
-            log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code,
+            log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", self.shown(name), code,
                         d.delay_s, self.restarts.get(name, 0) + 1, self.cfg.max_restarts)
             self._restart_at[name] = now + d.delay_s
             return
@@ -340,11 +347,12 @@ class LocalCluster:
         if signature and not signature.startswith("exit "):
             last = ":\n" + traceback_tail(child.tail)      # the script's own error: where and what
         if d.fatal or name == "chief":
-            raise JobStopped(f"{name} exited with {code} and is not restarted ({d.why}){last}")
+            raise JobStopped(f"{self.shown(name)} exited with {code} and is not restarted ({d.why}){last}")
         if name.startswith("worker"):
             exits[name] = code
         else:
-            log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", name, code, d.why)
+            log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", self.shown(name),
+                        code, d.why)
             self._gone.add(name)
 
     def _same_port(self, chief_args: list[str]) -> list[str]:

@@ -152,3 +152,19 @@ def test_two_workers_failing_with_one_traceback_stop_the_run_at_the_second():
     assert not d.restart and d.fatal and "the same way as worker0" in d.why
     assert p.on_exit("worker2", 1, 0.0, 42.0, "exit 1").restart        # no traceback: per worker only
     assert p.on_exit("worker3", 1, 0.0, 43.0, "exit 1").restart
+
+
+def test_the_supervisor_names_a_worker_as_the_chief_does(tmp_path):
+    import io
+
+    from shoal.cli.local import LocalCluster, LocalConfig
+    from shoal.cli.progress import Console
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    console = Console(io.StringIO(), interactive=False)
+    cluster = LocalCluster(LocalConfig(script=str(script)), out=console)
+    console.names.rewrite("[worker1] 2026-12-07 17:00:00,000 INFO shoal.chief_client: joined chief 127.0.0.1:1 "
+                          "as worker-0 (view epoch 3)\n")
+    assert cluster.shown("worker1") == "worker-0 (process worker1)"
+    assert cluster.shown("worker0") == "worker0"          # not joined yet: the launcher's name
