@@ -1,9 +1,10 @@
 """The README's plain loop, adopted in one line: a test script for tests/system/test_user_script.py.
 
 PLAIN_BUG_AT=N raises at each worker's step N (a script bug); PLAIN_NAN_AT=N makes worker0's loss NaN at its
-step N. Like most loops written for DDP, it reads ``loss.item()`` after its inner loop.
+step N; PLAIN_EPOCHS (default 3) and PLAIN_STEP_DELAY (seconds a step, default 0) make a longer job. Like most loops written for DDP, it reads ``loss.item()`` after its inner loop.
 """
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    epochs = 3
+    epochs = int(os.environ.get("PLAIN_EPOCHS", "3"))
+    delay = float(os.environ.get("PLAIN_STEP_DELAY", "0"))
     model, opt, loader = shoal.worker.distribute(model, opt, loader)
     bug_at = int(os.environ.get("PLAIN_BUG_AT", "0"))
     nan_at = int(os.environ.get("PLAIN_NAN_AT", "0")) if os.environ.get("SHOAL_LOCAL_INDEX") == "0" else 0
@@ -35,6 +37,7 @@ def main() -> None:
                 loss = loss * float("nan")
             loss.backward()
             opt.step()
+            time.sleep(delay)
         print(f"epoch {epoch}: loss {loss.item():.4f}", flush=True)
 
 

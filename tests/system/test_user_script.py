@@ -6,11 +6,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from localrun import ROOT, SHOAL, _default_sigint, alive, job_steps, pids
+from localrun import ROOT, SHOAL, _default_sigint, alive, job_steps, let_in, pids
 
 from harness import wait_until
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.system
 
 PLAIN = str(Path(__file__).with_name("plain_loop.py"))
 CNN_BN = str(ROOT / "examples" / "cnn_bn.py")
+LONG = {"PLAIN_EPOCHS": "40", "PLAIN_STEP_DELAY": "0.03"}
 
 
 def start(tmp_path: Path, script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
@@ -78,3 +80,31 @@ def test_one_nan_loss_is_skipped_counted_and_the_run_exits_0(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exactly_once"] is True and summary["batches_skipped"] == 1, summary
     assert "yes, with 1 skipped" in log
+
+
+def test_a_worker_joining_mid_run_with_the_same_script_contributes_and_exits_0(tmp_path):
+    gate = tmp_path / "joiner.go"
+    with open(tmp_path / "joiner.log", "w") as log:     # imports done first: it joins when let in
+        joiner = subprocess.Popen([sys.executable, str(Path(__file__).with_name("prewarmed.py")), str(gate),
+                                   "worker", "--chief", "@gate", PLAIN], stdout=log, stderr=subprocess.STDOUT,
+                                  cwd=tmp_path, env={**os.environ, **LONG})
+    proc = None
+    try:
+        wait_until(lambda: Path(f"{gate}.ready").exists(), timeout_s=120, what="the joiner's imports")
+        proc = start(tmp_path, PLAIN, env=LONG)
+        wait_until(lambda: steps(tmp_path) >= 40, timeout_s=180, what="40 steps of training")
+        let_in(tmp_path, gate)
+        assert joiner.wait(240) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
+        rc, log = ended(proc, tmp_path)
+    finally:
+        for p in (proc, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert rc == 0, log[-3000:]
+    out = (tmp_path / "joiner.log").read_text()
+    # it started at the job's epoch (not 0) and trained; no iteration was empty (loss.item() after the
+    # inner loop would have failed)
+    assert "the job is at epoch" in out and "epoch " in out.split("the job is at epoch")[-1], out[-3000:]
+    assert ": loss " in out and "Traceback" not in out, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["exactly_once"] is True
