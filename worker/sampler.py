@@ -17,11 +17,11 @@ the job's data is done.
 A loop written for DDP or Horovod assumes every epoch has batches, so an
 iteration is never empty while the job has data left. A worker that finds its
 epoch all handed out waits for a task of it to come back or for the next
-epoch's first task, and trains that one task in this iteration (the next
-iteration goes on with the rest of that epoch, so the loop's count stays with
-the job's). The first iteration follows the job: a worker that joins a running
-job trains the job's current epoch (``sampler.epoch``), so it neither repeats
-nor skips epochs. Once the job's data is done, an iteration that has nothing
+epoch's first task, and trains that one task in this iteration; the next
+iteration goes on with the rest of that epoch (``sampler.epoch`` says which),
+so the loop's count stays with the job's. A worker that joins a running job
+follows it the same way from its first iteration: it neither repeats nor
+skips epochs. Once the job's data is done, an iteration that has nothing
 to train (the loop asks for more epochs than the job has left for it) ends the
 worker: it leaves the job and exits 0 with one log line, as the job is over.
 
@@ -108,7 +108,7 @@ class DistributedSampler(Sampler[int]):
             self._past_the_end(epoch, feed)
         self._next = epoch + 1
         self._settle_unstepped()
-        follow, self._iterated = not self._iterated and not explicit, True
+        first, self._iterated = not self._iterated, True
         self.epoch = epoch
         partial: list[tuple[Task, bytes]] = []
         yielded = early = False
@@ -117,13 +117,11 @@ class DistributedSampler(Sampler[int]):
             if item is None:
                 break
             task, token = item
-            if task.epoch > epoch:               # nothing of this epoch was left for this worker
-                epoch = self.epoch = task.epoch
-                if follow:                       # the first iteration: train the job's current epoch
+            if task.epoch > epoch:               # nothing of this epoch was left for this worker:
+                epoch = self.epoch = task.epoch  # this one task now, the rest of its epoch next iteration
+                self._next, early = epoch, True
+                if first:                        # a worker that joined a running job
                     log.info("the job is at epoch %d: this worker's loop trains it now", epoch)
-                    self._next = epoch + 1
-                else:                            # this one task now; the rest of its epoch next iteration
-                    self._next, early = epoch, True
             self._check_batch_size()
             if (task.stop - task.start) % self.batch_size:
                 partial.append(item)             # short batches go last: DataLoader batches stay aligned
