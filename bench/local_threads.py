@@ -6,6 +6,7 @@ Cases (one JSON object each), all on ``examples/cnn_bn.py`` (a CNN with BatchNor
 DataLoader, an evaluation per epoch):
 
 - ``one_process``: ``python examples/cnn_bn.py``, torch's default threads (every core);
+- ``one_process_1_thread``: the same with ``OMP_NUM_THREADS=1``;
 - ``local_all_cores`` (before): ``shoal local --workers 2`` with ``OMP_NUM_THREADS`` set to this host's
   core count, torch's default, which every worker had before ``shoal local`` set it;
 - ``local_shared_cores`` (after): ``shoal local --workers 2`` without ``OMP_NUM_THREADS``: each worker
@@ -37,9 +38,9 @@ def _env(threads: int | None) -> dict[str, str]:
     return env
 
 
-def one_process(epochs: int) -> dict:
+def one_process(epochs: int, threads: int | None = None) -> dict:
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, SCRIPT, "--epochs", str(epochs)], env=_env(None), capture_output=True,
+    out = subprocess.run([sys.executable, SCRIPT, "--epochs", str(epochs)], env=_env(threads), capture_output=True,
                          text=True, timeout=1800, cwd=ROOT / "examples")
     wall = time.monotonic() - t0
     if out.returncode != 0:
@@ -71,8 +72,12 @@ def main() -> None:
     p.add_argument("--mode", default="sync")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
+    print(json.dumps({"load_average_1m": os.getloadavg()[0]}), flush=True)
     base = one_process(args.epochs)
     print(json.dumps({"case": "one_process", "epochs": args.epochs, "cores": cores, **base}), flush=True)
+    one = one_process(args.epochs, threads=1)
+    print(json.dumps({"case": "one_process_1_thread", "epochs": args.epochs, **one,
+                      "vs_one_process": round(one["wall_s"] / base["wall_s"], 2)}), flush=True)
     before = local(args.epochs, args.mode, threads=cores)
     print(json.dumps({"case": "local_all_cores", "mode": args.mode, "epochs": args.epochs, "threads_per_worker": cores,
                       **before, "vs_one_process": round(before["wall_s"] / base["wall_s"], 2)}), flush=True)
