@@ -192,7 +192,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
+    from shoal.cli.threads import set_worker_threads
     from shoal.worker.trainer import request_stop
+
+    set_worker_threads()
 
     def on_sigterm(*_: object) -> None:
         """docker stop, kubectl delete pod, a spot notice: the Trainer hands back its task, leaves and

@@ -46,3 +46,20 @@ class WorkerThreads:
             log.info("each worker uses %d intra-op thread(s): %d core(s) shared by %d worker(s) "
                      "(set OMP_NUM_THREADS to choose)", threads, cores, self.workers)
         return {"OMP_NUM_THREADS": str(threads)}
+
+
+def set_worker_threads() -> int | None:
+    """``shoal worker`` on its own host: its share is every core it may run on (its CPU affinity, which
+    torch's default, the machine's physical cores, ignores in a container limited to a few of them).
+    Nothing when the user set ``OMP_NUM_THREADS`` (``shoal local`` sets it for its workers). Said once;
+    returns the count set."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    import torch
+
+    threads = usable_cores()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        log.info("this worker uses %d intra-op thread(s), one per core it may run on (set OMP_NUM_THREADS "
+                 "to choose)", threads)
+    return threads

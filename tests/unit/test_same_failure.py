@@ -168,3 +168,19 @@ def test_the_supervisor_names_a_worker_as_the_chief_does(tmp_path):
                           "as worker-0 (view epoch 3)\n")
     assert cluster.shown("worker1") == "worker-0 (process worker1)"
     assert cluster.shown("worker0") == "worker0"          # not joined yet: the launcher's name
+
+
+def test_a_worker_alone_on_its_host_uses_the_cores_it_may_run_on_unless_the_user_chose(monkeypatch):
+    import torch
+
+    from shoal.cli.threads import set_worker_threads, usable_cores
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert set_worker_threads() is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        torch.set_num_threads(max(1, usable_cores() + 3))      # as torch's default could be in a container
+        assert set_worker_threads() == usable_cores() == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
