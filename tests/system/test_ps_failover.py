@@ -15,9 +15,10 @@ pytestmark = pytest.mark.system
 
 @pytest.mark.parametrize("mode,epochs", [("async", "16")])   # ~30 s; sync: tests/integration/test_replication.py
 def test_sigkilled_primary_is_replaced_by_its_backup_and_nothing_is_lost(tmp_path, mode, epochs):
-    # 20 ms a step keeps the job going long enough for the restarted ps (torch import, warm-up) to join
+    # 50 ms a step keeps the job going long enough for the restarted ps (torch import, warm-up) to join
+    # (20 ms did until shoal local gave each worker its share of the cores: the steps got faster)
     proc = start_local(tmp_path, "--ps", "2", "--workers", "2", "--mode", mode, "--restart-backoff", "0.3",
-                       "--lease-seconds", "1.5", script_args=("--epochs", epochs, "--step-delay", "0.02"))
+                       "--lease-seconds", "1.5", script_args=("--epochs", epochs, "--step-delay", "0.05"))
     wait_until(lambda: (tmp_path / "run" / "chief.address").exists() and job_steps(tmp_path) > 60,
                timeout_s=90, what="training to be under way")
     kill_and_await_restart(tmp_path, "ps0")
