@@ -1,12 +1,14 @@
-"""A small CNN with BatchNorm on scikit-learn's 8x8 digits: a plain PyTorch loop, three lines for shoal.
+"""A small CNN with BatchNorm on scikit-learn's 8x8 digits: a plain PyTorch loop, one line for shoal.
 
     python examples/cnn_bn.py                                          # one process
     shoal local --ps 2 --workers 2 --mode sync examples/cnn_bn.py     # a cluster: the same script
 
 The script keeps its DataLoader (shuffle, workers), its optimizer, its LR
 scheduler, its epoch loop and its evaluation after every epoch. Under shoal
-(``$SHOAL_CHIEF`` is set by ``shoal worker`` / ``shoal local``) three lines differ,
-marked ``# shoal``. ``--device cuda`` trains on the GPU (the DataLoader pins its
+(``$SHOAL_CHIEF`` is set by ``shoal worker`` / ``shoal local``) one line makes the
+model, optimizer and DataLoader the job's (``shoal.worker.distribute``: in one process it
+returns them unchanged), and the end pulls the job's weights and reports the accuracy;
+these lines are marked ``# shoal``. ``--device cuda`` trains on the GPU (the DataLoader pins its
 batches); ``--amp`` runs the forward pass under autocast: fp16 with a
 ``GradScaler`` on CUDA, bf16 on the CPU. ``--accumulate K`` steps the optimizer
 once every K micro-batches (the loss divided by K), as plain PyTorch does.
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from digits import load
-from shoal.worker import DistributedOptimizer, DistributedSampler
+import shoal.worker                                                                                 # shoal
 
 log = logging.getLogger("cnn_bn")
 
@@ -71,12 +73,9 @@ def main() -> None:
 
     model = build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    if distributed:
-        opt = DistributedOptimizer(opt, model)                                                     # shoal
-    sampler = DistributedSampler(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed) \
-        if distributed else None                                                                   # shoal
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                        num_workers=args.loader_workers, pin_memory=device.type == "cuda")          # shoal
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True,
+                        num_workers=args.loader_workers, pin_memory=device.type == "cuda")
+    model, opt, loader = shoal.worker.distribute(model, opt, loader, seed=args.seed)              # shoal
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     fp16 = args.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)    # skips a step whose gradients overflow
@@ -100,7 +99,7 @@ def main() -> None:
     if passes % k:                  # a last, short group of micro-batches
         scaler.step(opt)
         scaler.update()
-    if distributed:                 # the job's final weights and statistics, for the run summary
+    if distributed:                 # the job's final weights and statistics, for the run summary  # shoal
         opt.synchronize()
         acc = evaluate(model, test, device)
         opt.report(test_accuracy=acc)

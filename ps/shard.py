@@ -162,7 +162,7 @@ class Shard(ShardCopies, ShardGuard):
                 rows = self.tables.check_push(rows)
             bad += self.tables.count_nonfinite(rows)
         if bad:
-            return self._refuse_nonfinite(worker, bad)
+            return self._refuse_nonfinite(worker, bad, named)
         if hparams:
             self._opt.check_hparams(hparams)
         norm = grad_norm(grad)
@@ -231,18 +231,23 @@ class Shard(ShardCopies, ShardGuard):
             self._maybe_close_round()
             return PushResult(True, self.version)
 
-    def _refuse_nonfinite(self, worker: str, bad: int) -> PushResult:
+    def _refuse_nonfinite(self, worker: str, bad: int, named: tuple[BatchKey, ...] = ()) -> PushResult:
         """A gradient holding NaN/Inf is never applied; the policy says what its worker hears.
 
         ``refuse``: not applied, and after :data:`NONFINITE_STREAK` in a row the worker's push fails
         with InvalidArgument saying why; ``skip``: not applied, counted, the worker trains on;
         ``stop``: the first one fails the worker's push. Logged once per worker. The batch is not
-        handed back to be trained again (``duplicate``): it would most likely fail the same way.
+        handed back to be trained again (``duplicate``): it would most likely fail the same way. Under
+        ``skip`` the ledger records the push's batches as skipped, so the job's data is accounted for.
         """
         with self._cond:
             total = self.stats.nonfinite[worker] = self.stats.nonfinite.get(worker, 0) + 1
             streak = self._nonfinite_streak[worker] = self._nonfinite_streak.get(worker, 0) + 1
             version = self.version
+            if self.nonfinite == "skip":
+                for b in named:
+                    if self.ledger.owner(b) is None and b not in self._round_batches:
+                        self.ledger.record(b, f"skipped ({worker}: non-finite)")
         reason = (f"the gradient of {worker} for shard {self.shard_id} holds {bad} non-finite value(s) "
                   f"(NaN/Inf); not applied")
         if total == 1:

@@ -37,7 +37,9 @@ class JobConfig:
     lease_seconds: float = 3.0
     replicas: int = 0                 # copies of each shard: 1 or 2; 0 picks 2 when there are 2+ shards
     recovery: str = "consistent"      # when a shard loses every copy: consistent (checkpoint) or fast
-    nonfinite: str = "refuse"         # a gradient with NaN/Inf: refuse | skip | stop (never applied)
+    # a gradient with NaN/Inf is never applied; skip (default: its batch counts as skipped, the run goes
+    # on, as a GradScaler skips a step), refuse (the worker fails after a few in a row) or stop (at once)
+    nonfinite: str = "skip"
     # the update guard (ps/guard.py, docs/update-safety.md): what a server checks before it applies a push
     lr_factor: float = 10.0           # a push's learning rate at most this times the job's configured one
     grad_norm_factor: float = 10.0    # a push's gradient norm at most this times the running median; 0: off

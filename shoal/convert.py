@@ -45,7 +45,7 @@ def job_to_pb(job: JobConfig) -> pb.JobConfig:
 def job_from_pb(msg: pb.JobConfig) -> JobConfig:
     return JobConfig(mode=msg.mode, backup_workers=msg.backup_workers, staleness=msg.staleness,
                      num_shards=msg.num_shards, lease_seconds=msg.lease_seconds, replicas=msg.replicas,
-                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "refuse",
+                     recovery=msg.recovery or "consistent", nonfinite=msg.nonfinite or "skip",
                      **guard_from_pb(msg.guard) if msg.HasField("guard") else {})
 
 

@@ -88,19 +88,12 @@ class ModelLayout:
         return out
 
     def refusal(self, other: "ModelLayout") -> str:
-        """Why ``other`` (a joining worker's model) is refused, naming only the joiner's own parameters:
-        the job's shapes and names are not told to whoever asks (the chief logs :meth:`diff`)."""
-        mine = {s.name: s for s in self.specs}
-        odd = [f"{s.name} {list(s.shape)} {s.dtype}" for s in other.specs
-               if s.name not in mine or (mine[s.name].shape, mine[s.name].dtype) != (s.shape, s.dtype)]
-        missing = len(set(mine) - {s.name for s in other.specs})
-        parts = [f"your parameter(s) {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''} do not match it"] \
-            if odd else []
-        if missing:
-            parts.append(f"{missing} of its parameter(s) are missing from yours")
-        if not parts:
-            parts.append("the same parameters in a different order")
-        return "model layout differs from the job's: " + "; ".join(parts) + " (the chief's log has the details)"
+        """Why ``other`` (a joining worker's model) is refused, in one line the worker can act on: the first
+        difference, with the job's shape and the worker's (the chief logs every one, :meth:`diff`). A
+        joiner has passed the job's authentication (its token, when the job has one) before it hears it."""
+        out = self.diff(other)
+        more = f" (and {len(out) - 1} more difference(s): the chief's log lists them)" if len(out) > 1 else ""
+        return f"model layout differs from the job's: {out[0] if out else 'the same parameters'}{more}"
 
     def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """Copies ``tensors`` (in layout order) into one flat fp32 vector."""

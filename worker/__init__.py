@@ -1,6 +1,10 @@
 """Worker role: the library a training script uses, and the ``shoal worker`` launcher.
 
-A plain PyTorch loop, three lines changed::
+A plain PyTorch loop, one line added (and the import)::
+
+    model, opt, loader = shoal.worker.distribute(model, opt, loader)
+
+or the three-line form, each part by hand::
 
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)    # wraps the optimizer
     sampler = DistributedSampler(train_set, batch_size=64, epochs=5)                     # the chief's tasks
@@ -22,6 +26,7 @@ from shoal.worker.embedding import ShardedEmbedding, ShardedEmbeddingBag, table_
 from shoal.worker.optimizer import DistributedOptimizer
 from shoal.worker.sampler import DistributedSampler
 from shoal.worker.trainer import Trainer
+from shoal.worker.distribute import distribute
 
 __all__ = ["DistributedOptimizer", "DistributedSampler", "ShardedEmbedding", "ShardedEmbeddingBag", "Trainer",
-           "table_options"]
+           "distribute", "table_options"]

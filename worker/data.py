@@ -57,6 +57,7 @@ class TaskFeed:
         # flight elsewhere); cleared when a task or the end arrives
         self.starved = threading.Event()
         self.epochs_open = 0         # data epochs the chief has started handing out (newest reply)
+        self.ended = threading.Event()   # the chief said every task of the job is done
         # cleared once the worker takes no more tasks (its last epoch's iteration ended): the feed
         # then only reports, and hands back whatever still arrives
         self._fetching = True
@@ -127,6 +128,7 @@ class TaskFeed:
                 self._space.release()
                 if reply.finished:
                     self.starved.clear()
+                    self.ended.set()
                     self._ready.put(_END)
                     return
                 self.starved.set()

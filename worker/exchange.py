@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from shoal.dataset import Task
+from shoal.errors import Refused
 from shoal.proto import shoal_pb2 as pb
 from shoal.tables import ROWS_CODEC
 from shoal.worker import accumulate
@@ -295,6 +296,10 @@ class ShardExchange:
                 if went_back(exc) and self._started:
                     version = self._restart_shard(shard, exc)
                     return pb.PushReply(accepted=False, version=version, reason=exc.details())
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-finite" in (exc.details() or ""):
+                    # --nonfinite stop (or refuse, after a streak): the job stops, not a crash to restart
+                    raise Refused(f"worker {self.member_id} at step {self.step_count + 1}: "
+                                  f"{exc.details()}") from None
                 if not is_failover(exc):
                     raise
                 self.routes.reroute(shard, client, exc)

@@ -42,7 +42,7 @@ from shoal.optim import OPTIMIZERS, numeric_hparams
 from shoal.worker.accumulate import Accumulation
 from shoal.worker.embedding import find_tables, swap_meta_embeddings
 from shoal.worker.tables import row_defaults
-from shoal.worker.trainer import Trainer
+from shoal.worker.trainer import Trainer, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,8 @@ class _Distributed:
         if not passes and all(p.grad is None for g in self.param_groups for p in g["params"]):
             return loss             # nothing to push: torch's step() leaves parameters without a gradient
         self._shoal.step(batches=max(1, passes))
+        if stop_requested():            # SIGTERM: hand back at this batch boundary, leave, exit 0
+            self._shoal.hand_back()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

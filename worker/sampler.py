@@ -12,8 +12,18 @@ that epoch (a task is a range of positions in the epoch; with ``shuffle`` the
 positions go through the epoch's own seeded permutation of the samples, the
 same on every worker, so each epoch visits every sample once in a fresh order).
 The iteration ends when the chief starts handing out the next epoch, or when
-the job's data is done; an epoch with nothing left for this worker is an empty
-iteration.
+the job's data is done.
+
+A loop written for DDP or Horovod assumes every epoch has batches, so an
+iteration is never empty while the job has data left. A worker that finds its
+epoch all handed out waits for a task of it to come back or for the next
+epoch's first task, and trains that one task in this iteration; the next
+iteration goes on with the rest of that epoch (``sampler.epoch`` says which),
+so the loop's count stays with the job's. A worker that joins a running job
+follows it the same way from its first iteration: it neither repeats nor
+skips epochs. Once the job's data is done, an iteration that has nothing
+to train (the loop asks for more epochs than the job has left for it) ends the
+worker: it leaves the job and exits 0 with one log line, as the job is over.
 
 The exactly-once ledger needs to know which batch each push trains on, while
 the DataLoader asks for indices ahead of training (``num_workers``,
@@ -36,17 +46,18 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 from typing import Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, Sampler
 
 from shoal.dataset import DatasetSpec, Task
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.worker.data import TaskFeed
 from shoal.worker.optimizer import active_trainer
 from shoal.worker.exchange import BatchContext
-from shoal.worker.trainer import Trainer
+from shoal.worker.trainer import Trainer, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +81,10 @@ class DistributedSampler(Sampler[int]):
         self._later: collections.deque[tuple[Task, bytes]] = collections.deque()   # for a later epoch
         self._remaining: dict[int, int] = {}    # task id -> batches handed out, not yet stepped
         self._perms: dict[int, torch.Tensor] = {}
+        self._checked = False                   # the DataLoader's batch size, checked at the first batch
         self._released: set[int] = set()        # short tasks held back whose prefetch slot is free already
+        self._iterated = False                  # the first iteration follows the job's current epoch
+        self.epoch = 0                          # the epoch of the current (or last) iteration
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration trains (as torch's DistributedSampler)."""
@@ -86,30 +100,71 @@ class DistributedSampler(Sampler[int]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[int]:
-        epoch = self._epoch if self._epoch is not None else self._next
+        explicit = self._epoch is not None
+        epoch = self._epoch if explicit else self._next
         self._epoch = None
-        if epoch >= self.epochs:
-            raise InvalidArgument(f"the sampler was iterated for epoch {epoch}, but the job trains "
-                                  f"{self.epochs} epoch(s) (DistributedSampler(epochs={self.epochs}))")
-        self._next = epoch + 1
         feed = self._attach()
+        if epoch >= self.epochs:
+            self._past_the_end(epoch, feed)
+        self._next = epoch + 1
         self._settle_unstepped()
+        first, self._iterated = not self._iterated, True
+        self.epoch = epoch
         partial: list[tuple[Task, bytes]] = []
+        yielded = early = False
         while True:
-            item = self._take(epoch, feed, holding=bool(partial))
+            item = self._take(epoch, feed, holding=bool(partial), empty=not (yielded or partial))
             if item is None:
                 break
             task, token = item
+            if task.epoch > epoch:               # nothing of this epoch was left for this worker:
+                epoch = self.epoch = task.epoch  # this one task now, the rest of its epoch next iteration
+                self._next, early = epoch, True
+                if first:                        # a worker that joined a running job
+                    log.info("the job is at epoch %d: this worker's loop trains it now", epoch)
+            self._check_batch_size()
             if (task.stop - task.start) % self.batch_size:
                 partial.append(item)             # short batches go last: DataLoader batches stay aligned
                 if task.task_id not in self._released:
                     self._released.add(task.task_id)
                     feed.release()               # a task held back must not keep the feed from fetching
-                continue
-            yield from self._hand_out(task, token, feed)
+            else:
+                yielded = True
+                yield from self._hand_out(task, token, feed)
+            if early:
+                break
+        if not (yielded or partial) and feed.ended.is_set():
+            self._job_over(epoch, feed)          # only the end of the job's data leaves an iteration empty
         yield from self._hand_out_short(partial, feed)
-        if epoch == self.epochs - 1:
+        if epoch == self.epochs - 1 and not early:
             self._last_iteration_over(feed)
+
+    def _check_batch_size(self) -> None:
+        """The DataLoader's ``batch_size`` must be this sampler's (each step names the batch it trains):
+        checked at the first batch, from the torch ``BatchSampler`` that iterates this sampler."""
+        if self._checked:
+            return
+        self._checked = True
+        frame = sys._getframe(2)                 # _check_batch_size <- __iter__ <- the one iterating it
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if isinstance(owner, BatchSampler) and owner.batch_size != self.batch_size:
+            raise InvalidArgument(f"the DataLoader's batch_size is {owner.batch_size} but the sampler's is "
+                                  f"{self.batch_size}: give both the same (or use shoal.worker.distribute, "
+                                  f"which takes it from the DataLoader)")
+
+    def _past_the_end(self, epoch: int, feed: TaskFeed) -> None:
+        """The loop asks for epoch ``epoch``, past the job's last: a worker that joined late, or one whose
+        loop ran a task ahead of the job, has nothing left to train (its last epoch's iteration is over
+        and handed back whatever came after it)."""
+        self._job_over(epoch, feed)
+
+    def _job_over(self, epoch: int, feed: TaskFeed) -> None:
+        """The job's data is done and this worker's loop asks for more: as in a job whose every epoch is
+        trained, the worker leaves and the process ends with exit 0."""
+        log.info("the job's data is %s (%d epoch(s)): nothing left for this worker's loop (its epoch %d); "
+                 "leaving the job", "done" if feed.ended.is_set() else "handed out", self.epochs, epoch)
+        self._trainer.close()
+        raise SystemExit(0)
 
     def _last_iteration_over(self, feed: TaskFeed) -> None:
         """The job's last epoch is over here, and the user's loop with it: a task that reached this worker
@@ -120,34 +175,42 @@ class DistributedSampler(Sampler[int]):
         feed.stop_fetching(later)
 
     def _hand_out_short(self, partial: list[tuple[Task, bytes]], feed: TaskFeed) -> Iterator[int]:
-        """The tasks that end in a short batch, at the end of the iteration. The DataLoader makes one
-        batch of whatever short batches come last, so the largest task goes first and a lone short
-        batch (one a skipped step or a sync round handed back) joins its short batch while they fit
-        in one batch: that step's push names each of them. Any other waits for the next iteration
-        (never this one: taking it again here would loop for ever)."""
+        """The tasks that end in a short batch, at the end of the iteration: first the full batches of
+        each (they keep the DataLoader's batches aligned with the tasks), then their short last batches,
+        which the DataLoader makes one batch of while they fit in one: that step's push names each of
+        them. A task whose short batch does not fit waits for the next iteration (never this one: taking
+        it again here would loop for ever)."""
         partial = sorted(partial, key=lambda item: item[0].start - item[0].stop)
-        joined, deferred = 0, []
-        for i, (task, token) in enumerate(partial):
+        tails, joined, deferred = [], 0, []
+        for task, token in partial:
             short = (task.stop - task.start) % self.batch_size
-            if i == 0:
-                joined = short
-                yield from self._hand_out(task, token, feed, release=False)
-            elif task.stop - task.start == short and joined + short <= self.batch_size:
+            if joined + short <= self.batch_size:
                 joined += short
-                yield from self._hand_out(task, token, feed, join=True, release=False)
+                tails.append((task, token, task.stop - short))
             else:
                 deferred.append((task, token))
+        for task, _, tail in tails:              # a tail's step must not finish its task before it is handed out
+            self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + 1
+        for task, token, tail in tails:
+            if tail > task.start:
+                yield from self._hand_out(task, token, feed, release=False, stop=tail)
+        for i, (task, token, tail) in enumerate(tails):
+            yield from self._hand_out(task, token, feed, join=i > 0, release=False, start=tail, counted=True)
         self._later.extendleft(reversed(deferred))
 
-    def _take(self, epoch: int, feed: TaskFeed, holding: bool) -> tuple[Task, bytes] | None:
+    def _take(self, epoch: int, feed: TaskFeed, holding: bool, empty: bool = False) -> tuple[Task, bytes] | None:
         """The next task of ``epoch`` (or an earlier one) for this worker; None when the epoch is over here.
 
-        ``holding``: a task is held back to go last (its short batch)."""
-        if self._later and self._later[0][0].epoch <= epoch:
+        ``holding``: a task is held back to go last (its short batch). ``empty``: nothing was handed out
+        in this iteration yet: it waits for a task rather than end empty, and a task of a later epoch
+        (returned, not kept for later) is what it trains."""
+        if self._later and (empty or self._later[0][0].epoch <= epoch):
             return self._later.popleft()
         if self._later:
             return None
         while True:
+            if stop_requested():
+                self._trainer.hand_back()        # SIGTERM: leave between two batches
             item = feed.poll(_WAIT_S)
             if item is None:
                 return None
@@ -155,32 +218,38 @@ class DistributedSampler(Sampler[int]):
                 # tasks are in flight elsewhere: wait for one to come back, unless this worker's own
                 # work would wait with it (batches the DataLoader may hold until this iteration ends,
                 # or the task held back to go last): the job cannot finish before they are trained
-                # An epoch the chief has moved past has nothing left to hand out: over here.
-                if feed.starved.is_set() and (self._records or holding or feed.epochs_open > epoch + 1):
+                # An epoch the chief has moved past has nothing left to hand out: over here (unless
+                # nothing was handed out yet: the next epoch's first task is then this iteration's).
+                if feed.starved.is_set() and (self._records or holding or
+                                              (not empty and feed.epochs_open > epoch + 1)):
                     return None
                 continue
-            if item[0].epoch > epoch:
+            if item[0].epoch > epoch and not empty:
                 self._later.append(item)
                 return None
             return item
 
-    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed, join: bool = False,
-                  release: bool = True) -> Iterator[int]:
-        """Records the task's batches and yields its sample indices. ``join``: the task is one short
-        batch that the DataLoader puts in one batch with the short batch before it: one record of both."""
+    def _hand_out(self, task: Task, token: bytes, feed: TaskFeed, join: bool = False, release: bool = True,
+                  start: int | None = None, stop: int | None = None, counted: bool = False) -> Iterator[int]:
+        """Records the task's batches (those in ``[start, stop)``, by default all) and yields their sample
+        indices. ``join``: one short batch that the DataLoader puts in one batch with the short batch
+        before it: one record of both. ``counted``: its batches were counted in ``_remaining`` already."""
         order = self._permutation(task.epoch)
-        batches = [BatchContext(task, token, start, min(task.stop, start + self.batch_size))
-                   for start in range(task.start, task.stop, self.batch_size)]
+        start = task.start if start is None else start
+        stop = task.stop if stop is None else stop
+        batches = [BatchContext(task, token, b, min(stop, b + self.batch_size))
+                   for b in range(start, stop, self.batch_size)]
         if join and self._records:
             last = self._records.pop()
             self._records.append((*(last if isinstance(last, tuple) else (last,)), *batches))
         else:
             self._records.extend(batches)
-        self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + len(batches)
+        if not counted:
+            self._remaining[task.task_id] = self._remaining.get(task.task_id, 0) + len(batches)
         if release:
             feed.release()                       # the feed may fetch the next task meanwhile
         self._released.discard(task.task_id)
-        yield from order[task.start:task.stop].tolist()
+        yield from order[start:stop].tolist()
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         perm = self._perms.get(epoch)

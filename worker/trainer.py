@@ -63,6 +63,8 @@ def request_stop() -> bool:
         if feed is not None:
             feed.interrupt()
             taking = True
+        elif trainer._batch_source is not None or trainer.accumulation is not None:
+            taking = True           # a DistributedOptimizer's: its next step() or iteration hands back
     return taking
 
 
@@ -70,6 +72,11 @@ def _leave_asked(why: str) -> None:
     """The chief asks this worker to leave: it hands back its task and exits 0, as on SIGTERM."""
     log.warning("the chief asks this worker to leave (%s): handing back its task at the next batch", why)
     request_stop()
+
+
+def stop_requested() -> bool:
+    """Whether SIGTERM asked this process to leave (:func:`request_stop`): checked at batch boundaries."""
+    return _STOP_REQUESTED.is_set()
 
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
@@ -485,6 +492,18 @@ class Trainer(ShardExchange):
         req = pb.MetricsReport(member_id=self.member_id, values={k: float(v) for k, v in values.items()})
         with_retries(lambda: self.chief.stub.ReportMetrics(req, timeout=self.chief.call_timeout_s()),
                      "report metrics to the chief", deadline_s=120)
+
+    def hand_back(self) -> None:
+        """SIGTERM on the user's own loop (``DistributedOptimizer``/``DistributedSampler``): between two
+        batches, as :meth:`batches` does. Batches the DataLoader holds but no step pushed resume on
+        another worker from this one's reported progress."""
+        feed = self._feed
+        if feed is None:
+            log.info("worker %s stopping on request (SIGTERM) after %d step(s): leaving the job",
+                     self.member_id, self.step_count)
+            self.close()
+            raise SystemExit(0)
+        self._hand_back(feed)
 
     def _hand_back(self, feed: TaskFeed) -> None:
         """Preempted between two batches: reports finished tasks and how far the current one got, leaves

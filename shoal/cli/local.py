@@ -7,6 +7,7 @@ so a killed supervisor leaves no orphans.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import logging
@@ -38,7 +39,8 @@ from shoal.cli.progress import Console, result_lines
 from shoal.cli.records import add_records, build_summary, read_settled, violation, write_json
 from shoal.cli import observe
 from shoal.cli.ending import finish
-from shoal.cli.supervise import RestartPolicy, stopped_in_journal
+from shoal.cli.threads import WorkerThreads
+from shoal.cli.supervise import RestartPolicy, failure_signature, job_data_done, stopped_in_journal, traceback_tail
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class Child:
         self.name = name
         self.started = time.monotonic()
         self.last_line = ""            # the child's last line of output: on a failure, usually why
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)   # its last lines (a traceback)
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1,
                                      start_new_session=True, preexec_fn=_die_with_parent)
@@ -133,6 +136,7 @@ class Child:
             out.flush()
             if line.strip():
                 self.last_line = line.strip()
+                self.tail.append(line.rstrip("\n"))
 
     @property
     def pid(self) -> int:
@@ -174,9 +178,11 @@ class LocalCluster:
         self.restarts = self.policy.restarts
         self._gone: set[str] = set()          # servers left down (no restart): the job goes on without them
         self.exits: dict[str, int] = {}       # workers that ended for good: name -> exit status
+        self.after_data: set[str] = set()     # workers that failed once the job's data was done: not a failure
         self.rollbacks = 0
         self._restart_at: dict[str, float] = {}
         self.scaler: WorkerScaler | None = None
+        self.threads = WorkerThreads(cfg.num_workers)      # each worker's share of the cores
 
     def _secure(self) -> None:
         """A job token and mutual TLS for every role started from here (their files in the run dir),
@@ -269,7 +275,8 @@ class LocalCluster:
         return self._spawn(name, ["worker", "--chief", self.chief_address, "--compression", self.cfg.compression,
                                   "--pull-codec", self.cfg.pull_codec, "--transport", self.cfg.transport,
                                   self.cfg.script, *self.cfg.script_args],
-                           {"SHOAL_LOCAL_INDEX": index, **observe.local_worker_env(self.cfg, int(index or 0), self.run_dir)})
+                           {"SHOAL_LOCAL_INDEX": index, **self.threads.env(),
+                            **observe.local_worker_env(self.cfg, int(index or 0), self.run_dir)})
 
     def workers(self) -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith("worker")]
@@ -299,7 +306,14 @@ class LocalCluster:
             if name.startswith("worker") and (code == 0 or (self.scaler and name in self.scaler.scaled_in)):
                 self.exits[name] = code          # done, or asked to leave by the autoscaler
             elif name not in self._restart_at and name not in self._gone:
-                self._on_failure(name, child, code, now, self.exits)
+                if name.startswith("worker") and code > 0 and self._data_done():
+                    child._pump.join(timeout=1)
+                    log.warning("%s exited with %s after the job's data was done; the job is not failed for "
+                                "it: %s", self.shown(name), code, traceback_tail(child.tail, 1))
+                    self.exits[name] = code
+                    self.after_data.add(name)
+                else:
+                    self._on_failure(name, child, code, now, self.exits)
         for name, when in list(self._restart_at.items()):
             if now >= when:
                 del self._restart_at[name]
@@ -325,22 +339,37 @@ class LocalCluster:
                 args = self._same_port(args)
             self._spawn(name, args, env)
 
+    def shown(self, name: str) -> str:
+        """A child as the chief names it (``worker-0``, what its log lines and ``shoal status`` show), with
+        the launcher's own name when they differ (``worker-0 (process worker1)``)."""
+        names = getattr(self.out, "names", None)
+        member = names.get(name) if names is not None else name
+        return member if member == name else f"{member} (process {name})"
+
+    def _data_done(self) -> bool:
+        return job_data_done(self.chief_address)
+
     def _on_failure(self, name: str, child: Child, code: int, now: float, exits: dict[str, int]) -> None:
         """Restart ``name`` later, or give up on it, or (an exit that would repeat) stop the run now."""
-        d = self.policy.on_exit(name, code, child.started, now)
+        child._pump.join(timeout=1)           # its last lines: how it failed
+        signature = failure_signature(code, child.tail) if name.startswith("worker") else ""
+        d = self.policy.on_exit(name, code, child.started, now, signature)
         if d.restart:
-            log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", name, code,
+            log.warning("%s exited with %s; restarting it in %.1fs (restart %d of at most %d)", self.shown(name), code,
                         d.delay_s, self.restarts.get(name, 0) + 1, self.cfg.max_restarts)
             self._restart_at[name] = now + d.delay_s
             return
-        child._pump.join(timeout=1)           # its last line, for the message
         last = f": {child.last_line}" if child.last_line else ""
+        if signature and not signature.startswith("exit "):
+            last = ":\n" + traceback_tail(child.tail)      # the script's own error: where and what
         if d.fatal or name == "chief":
-            raise JobStopped(f"{name} exited with {code} and is not restarted ({d.why}){last}", stopped_code(code))
+            raise JobStopped(f"{self.shown(name)} exited with {code} and is not restarted ({d.why}){last}",
+                             stopped_code(code))
         if name.startswith("worker"):
             exits[name] = code
         else:
-            log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", name, code, d.why)
+            log.warning("%s exited with %s and is not restarted (%s); the job goes on without it", self.shown(name),
+                        code, d.why)
             self._gone.add(name)
 
     def _same_port(self, chief_args: list[str]) -> list[str]:
@@ -486,7 +515,8 @@ def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:
     console.close()
     cluster.stop()
     console.close_log()
-    ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 for c in codes.values())
+    ok = any(c == 0 for c in codes.values()) and all(c == 0 or c < 0 or n in cluster.after_data
+                                                     for n, c in codes.items())
     summary = build_summary(cluster.cfg, codes, seconds, stats)
     add_records(summary, shards, replicas, final_step, cfg.checkpoint_dir)
     summary["restarts"] = dict(cluster.restarts)

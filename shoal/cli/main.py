@@ -45,8 +45,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                    help="a shard that lost every copy: consistent (default) rolls back to the newest checkpoint, "
                         "fast goes on from a worker's weights")
     p.add_argument("--nonfinite", choices=NONFINITE, default=None,
-                   help="a gradient holding NaN/Inf is never applied: refuse (default; the worker fails after "
-                        "a few in a row), skip (counted in shoal status) or stop (the worker fails at once)")
+                   help="a gradient holding NaN/Inf is never applied: skip (default; its batch counts as "
+                        "skipped in the ledger and the summary, the run goes on), refuse (the job stops after a "
+                        "few in a row from one worker) or stop (the job stops at the first, naming worker and step)")
     p.add_argument("--lr-factor", type=float, default=None,
                    help="update guard: a push may carry a learning rate of at most this times the job's (default 10)")
     p.add_argument("--grad-norm-factor", type=float, default=None,
@@ -216,6 +217,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.transport:
         os.environ["SHOAL_TRANSPORT"] = args.transport
     _push_window_env(args)
+    _epochs_env(args)
     os.environ.update(observe.worker_env(args))
     if args.connect_timeout is not None:
         if not args.connect_timeout > 0:
@@ -224,7 +226,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ShoalError(f"training script {args.script!r} does not exist")
+    from shoal.cli.threads import set_worker_threads
     from shoal.worker.trainer import request_stop
+
+    set_worker_threads()
 
     def on_sigterm(*_: object) -> None:
         """docker stop, kubectl delete pod, a spot notice: the Trainer hands back its task, leaves and
@@ -252,6 +257,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epochs_env(args: argparse.Namespace) -> None:
+    """``--epochs`` reaches ``shoal.worker.distribute()`` in every worker as ``$SHOAL_EPOCHS``."""
+    if args.epochs is not None:
+        if args.epochs < 1:
+            raise InvalidArgument(f"--epochs must be >= 1, got {args.epochs}")
+        os.environ["SHOAL_EPOCHS"] = str(args.epochs)
+
+
 def _push_window_env(args: argparse.Namespace) -> None:
     """``--push-window`` reaches the workers' Trainer as ``$SHOAL_PUSH_WINDOW`` (worker/pipeline.py)."""
     if args.push_window is not None:
@@ -264,6 +277,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     from shoal.cli.local import LocalConfig, run_local
 
     _push_window_env(args)
+    _epochs_env(args)
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value < 1:
             raise InvalidArgument(f"{flag} must be >= 1, got {value}")
@@ -494,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "is answered (default: $SHOAL_PUSH_WINDOW or 0, every push at once); for slow "
                             "links, with --num-shards well above the servers (bench/RESULTS.md, issue 16)")
         observe.add_args(p, alerts=True)
+        p.add_argument("--epochs", type=int, default=None,
+                       help="epochs the job trains, for a script that adopts shoal with "
+                            "shoal.worker.distribute() (as $SHOAL_EPOCHS; default: the job file's train.epochs)")
         p.add_argument("script", nargs="?", help="the training script (default: the job file's train.script)")
         p.add_argument("script_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=cmd_worker if name == "worker" else cmd_local)

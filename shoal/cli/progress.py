@@ -260,6 +260,8 @@ def _exactly_once(summary: dict[str, Any]) -> str:
     """yes / NO / UNKNOWN, with why, and where the records of a shard whose server was gone came from."""
     holds, why = summary["exactly_once"], summary.get("exactly_once_detail", "")
     text = "yes" if holds else "UNKNOWN" if holds is None else "NO"
+    if holds and summary.get("batches_skipped"):
+        text += f", with {summary['batches_skipped']} skipped (NaN/Inf gradients, --nonfinite skip)"
     if why and not holds:
         text += f" ({why.removeprefix('unknown: ')})"
     from_ckpt = sorted(k for k, v in summary.get("ledger_sources", {}).items() if v == "checkpoint")

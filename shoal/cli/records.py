@@ -83,6 +83,9 @@ def add_records(summary: dict[str, Any], shards: dict | None, replicas: dict | N
         if ckpt is not None:
             summary["ledger_checkpoint"] = ckpt
         summary["shard_versions"] = {str(sh["shard"]): sh.get("version", -1) for sh in report["shards"]}
+        skipped = batches_skipped(report)
+        if skipped:
+            summary["batches_skipped"] = skipped
         if unread:      # the primary did not answer: its (empty) reply is not taken as that shard's record
             summary["shard_errors"] = unread
         guarded = guard_record(report["shards"])
@@ -107,6 +110,13 @@ def guard_record(shards: list[dict]) -> dict | None:
     if not refused and not rolled:
         return None
     return {"refused": refused, "rolled_back": rolled, "expelled": expelled}
+
+
+def batches_skipped(report: dict) -> int:
+    """Pushes the servers refused for NaN/Inf (``--nonfinite``), on the shard that refused the most: each
+    names the batch it trained, which the job then counts as skipped (one batch a push, more with
+    gradient accumulation)."""
+    return max((sum(sh.get("nonfinite", {}).values()) for sh in report["shards"]), default=0)
 
 
 def _without_shards(summary: dict[str, Any]) -> dict | None:

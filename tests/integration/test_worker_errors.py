@@ -51,7 +51,9 @@ def test_a_refused_model_is_one_line_with_the_difference(cluster_factory, tmp_pa
         first.close()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the job refused this worker" in err[0]
-    assert "your parameter(s) 0.weight [17, 8] float32" in err[0]      # only the caller's own shapes
+    # the first differing parameter, the job's shape and the worker's (README: expected ..., got ...)
+    assert "model layout differs from the job's: 0.weight: expected [16, 8] float32, got [17, 8] float32" in err[0]
+    assert "(and 2 more difference(s)" in err[0]
 
 
 def test_a_bad_connect_timeout_is_a_usage_error(tmp_path, capsys):

@@ -84,6 +84,7 @@ class FakeProc:
 class FakeChild:
     def __init__(self, name, code=None):
         self.name, self.proc, self.started, self.last_line = name, FakeProc(code), 0.0, ""
+        self.tail = []
         self._pump = threading.Thread(target=lambda: None)
         self._pump.start()
 
