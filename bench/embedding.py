@@ -18,9 +18,11 @@ For each table size (default 2^20, 2^22, 2^24, 2^26 rows), in the same run:
 Reports samples/s over the timed window (both workers together), each worker's peak RSS (VmHWM from
 /proc/<pid>/status, read by the worker itself after its last step), each server's VmHWM, the unique rows
 a batch touches, and shoal's samples/s over DDP's at the same size (the ratio, same run). One JSON object
-per case.
+per case. ``--rounds N`` runs DDP and shoal N times per size, alternating, and reports the medians (and each
+round's figure): on a shared host one round's ratio can be off by 2x.
 
     .venv/bin/python bench/embedding.py --sizes 20 22 --seconds 20                  # DDP and shoal at 2^20, 2^22
+    .venv/bin/python bench/embedding.py --sizes 22 --seconds 20 --rounds 3         # medians of 3 rounds
     .venv/bin/python bench/embedding.py --sizes 20 22 24 26 --seconds 20           # the whole range (big: see free -g)
     .venv/bin/python bench/embedding.py --sizes 20 22 --only ddp                    # one side only
 """
@@ -30,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -262,6 +265,8 @@ def main() -> None:
     p.add_argument("--only", choices=["ddp", "shoal"], help="run one side only")
     p.add_argument("--ddp-budget-gib", type=float, default=None,
                    help="run DDP only where its ranks' computed need stays under this (default: MemAvailable/2)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of DDP + shoal per size; medians are reported (this host's speed drifts)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a case's processes")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -273,23 +278,40 @@ def main() -> None:
         line = {"rows": rows, "log2_rows": log2, "dim": DIM, "batch": args.batch, "workers": args.workers,
                 "unique_rows_per_batch": round(unique_rows(rows, args.batch), 1),
                 "table_bytes": table_bytes(rows)}
-        ddp = None
+        need = None if ddp_rest is None else 2 * table_bytes(rows) + ddp_rest
+        ddp_fits = args.only != "shoal" and not (need is not None and need * args.workers > budget)
+        ddp_runs, shoal_runs = [], []
+        for _ in range(args.rounds):          # DDP then shoal in each round: a ratio is to its own round's DDP
+            if ddp_fits:
+                ddp_runs.append(run_ddp(rows, args))
+                rest = max(ddp_runs[-1]["worker_vm_hwm_bytes"]) - 2 * table_bytes(rows)
+                ddp_rest = rest if ddp_rest is None else max(ddp_rest, rest)
+            if args.only != "ddp":
+                shoal_runs.append(run_shoal(rows, args))
         if args.only != "shoal":
-            need = None if ddp_rest is None else 2 * table_bytes(rows) + ddp_rest
-            if need is not None and need * args.workers > budget:
+            if ddp_fits:
+                ddp = {"ran": True, **_merged(ddp_runs), "computed_bytes_per_rank": 2 * table_bytes(rows) + ddp_rest}
+            else:
                 ddp = {"ran": False, "computed_bytes_per_rank": need,
                        "why": f"{args.workers} ranks x {need / 2 ** 30:.2f} GiB > budget {budget / 2 ** 30:.1f} GiB"}
-            else:
-                ddp = {"ran": True, **run_ddp(rows, args)}
-                rest = max(ddp["worker_vm_hwm_bytes"]) - 2 * table_bytes(rows)
-                ddp_rest = rest if ddp_rest is None else max(ddp_rest, rest)
-                ddp["computed_bytes_per_rank"] = 2 * table_bytes(rows) + ddp_rest
             print(json.dumps({"case": "ddp-gloo", **line, **_rounded(ddp)}), flush=True)
-        if args.only != "ddp":
-            shoal = run_shoal(rows, args)
-            ratio = None if not ddp or not ddp["ran"] else round(shoal["samples_per_s"] / ddp["samples_per_s"], 2)
+        if shoal_runs:
+            ratios = [s["samples_per_s"] / d["samples_per_s"] for s, d in zip(shoal_runs, ddp_runs)]
             print(json.dumps({"case": f"shoal-{args.mode}", "ps": args.ps, "replicas": args.replicas, **line,
-                              **_rounded(shoal), "ratio_vs_ddp": ratio}), flush=True)
+                              **_rounded(_merged(shoal_runs)),
+                              "ratio_vs_ddp": round(statistics.median(ratios), 2) if ratios else None,
+                              "ratio_per_round": [round(r, 2) for r in ratios]}), flush=True)
+
+
+def _merged(runs: list[dict]) -> dict:
+    """Rounds of one case: the median samples/s (and each round's), the peak memory over all rounds."""
+    out = {"samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+           "samples_per_s_per_round": [round(r["samples_per_s"], 1) for r in runs]}
+    for key in ("worker_vm_hwm_bytes", "server_vm_hwm_bytes"):
+        if key in runs[0]:
+            out[key] = [max(v) for v in zip(*(r[key] for r in runs))]
+    out["steps"] = [r["steps"] for r in runs]
+    return out
 
 
 def _rounded(d: dict) -> dict:
