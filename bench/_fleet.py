@@ -103,7 +103,7 @@ class FakeWorker:
 
     async def beat(self, req: pb.HeartbeatRequest, timeout_s: float) -> pb.HeartbeatReply:
         """One heartbeat: on the member's KeepAlive stream (opened afresh after a failure, as
-        shoal.keepalive does), or a single call."""
+        shoal.net.keepalive does), or a single call."""
         if not self.stream:
             return await self.stub.Heartbeat(req, timeout=timeout_s)
         if self._beats is None:

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from shoal import auth, tls
+from shoal.security import auth, tls
 from shoal.cli.certs import make_local_pki
 
 MODES = ("none", "token", "tls")

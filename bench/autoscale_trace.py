@@ -23,7 +23,7 @@ from _local import DIGITS
 
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.net.rpc import open_channel
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ def steps_after(pattern: str, t: float) -> list[float]:
 def job_steps(run_dir: Path) -> int:
     from shoal.proto import shoal_pb2 as pb
     from shoal.proto import shoal_pb2_grpc as pb_grpc
-    from shoal.rpc import open_channel
+    from shoal.net.rpc import open_channel
 
     try:
         ch = open_channel((run_dir / "chief.address").read_text())

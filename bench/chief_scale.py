@@ -74,8 +74,8 @@ def run_case(n: int, sim_s: float, cap_s: float, journal_cap_s: float, task_peri
     from shoal.chief.servicer import ChiefServicer
     from shoal.chief.state import ChiefState
     from shoal.chief.tasks import DatasetSpec
-    from shoal.config import JobConfig
-    from shoal.layout import ModelLayout, TensorSpec
+    from shoal.settings.config import JobConfig
+    from shoal.state.layout import ModelLayout, TensorSpec
     from shoal.members import Counters
 
     logging.disable(logging.CRITICAL)
@@ -165,7 +165,7 @@ def run_case(n: int, sim_s: float, cap_s: float, journal_cap_s: float, task_peri
     # ---- view fan-out: one view change answered to every one of the n workers' watches, as the
     # servicer's GetView does (lock held, bytes handed to gRPC): once per epoch now; the old code built
     # and serialized it per watcher (measured over up to --fanout-old watchers, scaled to n if fewer)
-    from shoal import convert
+    from shoal.state import convert
     from shoal.proto import shoal_pb2 as pb
     fan = ChiefServicer(state)
     t0 = time.process_time()

@@ -38,13 +38,13 @@ def run_case(n: int, tasks_per_worker: int, done_frac: float, repeat: int) -> di
     from shoal.chief.journal import Journal
     from shoal.chief.state import ChiefState
     from shoal.chief.tasks import DatasetSpec
-    from shoal.config import JobConfig
-    from shoal.layout import ModelLayout, TensorSpec
+    from shoal.settings.config import JobConfig
+    from shoal.state.layout import ModelLayout, TensorSpec
     import shoal.chief.state as state_mod
 
     logging.disable(logging.CRITICAL)
     gc.collect()
-    gc.freeze()             # as `shoal chief` does once started (shoal/cli/main.py); the state comes after
+    gc.freeze()             # as `shoal chief` does once started (cli/main.py); the state comes after
     now = [1000.0]
     state = ChiefState(JobConfig(num_shards=4, lease_seconds=3.0), lambda: now[0])
     for i in range(4):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import InProcessCluster  # noqa: E402
 from shoal.codecs import get_codec, known_codecs  # noqa: E402
-from shoal.config import JobConfig  # noqa: E402
+from shoal.settings.config import JobConfig  # noqa: E402
 from shoal.worker import DistributedOptimizer, DistributedSampler  # noqa: E402
 from shoal.worker.staging import Staging  # noqa: E402
 

@@ -51,7 +51,7 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
 def workers_live(chief: str) -> int:
     from shoal.proto import shoal_pb2 as pb
     from shoal.proto import shoal_pb2_grpc as pb_grpc
-    from shoal.rpc import open_channel
+    from shoal.net.rpc import open_channel
 
     channel = open_channel(chief)
     try:

@@ -25,7 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests"),
 
 from fuzzing import (BAD_CODES, CHIEF_METHODS, DATA_METHODS, PS_METHODS, STREAMING, Target,  # noqa: E402
                      data_frames, messages, rss_mb, tcp_messages)
-from shoal import tcp_channel as tc  # noqa: E402
+from shoal.net import tcp_channel as tc  # noqa: E402
 
 
 def run(name: str, strategy, probe, cases: int, seed_value: int) -> dict:

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from shoal.config import OptimizerSpec
-from shoal.optim import ShardOptimizer, magnitude
+from shoal.settings.config import OptimizerSpec
+from shoal.state.optim import ShardOptimizer, magnitude
 from shoal.ps.guard import grad_norm
 
 SPECS = {"sgd": OptimizerSpec("sgd", {"lr": 0.01, "momentum": 0.9}), "adam": OptimizerSpec("adam", {"lr": 1e-3})}

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def leave(run_dir: Path, member: str) -> None:
     from shoal.proto import shoal_pb2 as pb
     from shoal.proto import shoal_pb2_grpc as pb_grpc
-    from shoal.rpc import open_channel
+    from shoal.net.rpc import open_channel
 
     ch = open_channel((run_dir / "chief.address").read_text())
     try:

@@ -10,7 +10,7 @@ DataLoader, an evaluation per epoch):
 - ``local_all_cores`` (before): ``shoal local --workers 2`` with ``OMP_NUM_THREADS`` set to this host's
   core count, torch's default, which every worker had before ``shoal local`` set it;
 - ``local_shared_cores`` (after): ``shoal local --workers 2`` without ``OMP_NUM_THREADS``: each worker
-  gets its share of the cores (shoal/cli/threads.py).
+  gets its share of the cores (cli/threads.py).
 
 Each prints ``wall_s`` (the command's wall time), the test accuracy and ``vs_one_process`` (wall time
 over the one-process run's); the ``after`` case also ``vs_before``.

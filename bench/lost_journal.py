@@ -33,7 +33,7 @@ CASES = ("empty", "gone")
 def job_steps(run_dir: Path) -> int:
     from shoal.proto import shoal_pb2 as pb
     from shoal.proto import shoal_pb2_grpc as pb_grpc
-    from shoal.rpc import open_channel
+    from shoal.net.rpc import open_channel
 
     try:
         ch = open_channel((run_dir / "chief.address").read_text())

@@ -170,7 +170,7 @@ class Run:
     def steps(self) -> int:
         from shoal.proto import shoal_pb2 as pb
         from shoal.proto import shoal_pb2_grpc as pb_grpc
-        from shoal.rpc import open_channel
+        from shoal.net.rpc import open_channel
 
         try:
             address = (self.run_dir / "chief.address").read_text()
@@ -206,7 +206,7 @@ class Run:
                         pass
             self.note(f"SIGKILL chief and {f.target} at once (after {steps} worker steps)")
         elif f.action == "corrupt_checkpoint":
-            from shoal.checkpoint import list_checkpoints
+            from shoal.state.checkpoint import list_checkpoints
 
             found = list_checkpoints(self.ckpts)
             files = sorted(found[0].glob("shard-*.pt")) if found else []
@@ -365,8 +365,8 @@ class SeenProcesses:
 
 def checkpoint_digests(ckpt, num_shards: int, mode: str) -> dict[str, str]:
     """The sha256 a server's Digest reports for each shard restored from ``ckpt``."""
-    from shoal.config import JobConfig
-    from shoal.layout import ShardPlan
+    from shoal.settings.config import JobConfig
+    from shoal.state.layout import ShardPlan
     from shoal.ps.consistency import rule_for
     from shoal.ps.shard import Shard
 
@@ -382,7 +382,7 @@ def export_accuracy(ckpts: Path, out: Path, hidden: int = MODELS["digits"]) -> f
 
     import torch
 
-    from shoal.checkpoint import export_to_file
+    from shoal.state.checkpoint import export_to_file
 
     export_to_file(ckpts, out)
     spec = importlib.util.spec_from_file_location("digits_example", DIGITS)
@@ -395,7 +395,7 @@ def export_accuracy(ckpts: Path, out: Path, hidden: int = MODELS["digits"]) -> f
 
 
 def check(run: Run, outcome: dict) -> dict:
-    from shoal.checkpoint import load_latest
+    from shoal.state.checkpoint import load_latest
 
     v: dict[str, bool | None] = {"ended": not outcome["hung"], "succeeded": outcome["rc"] == 0}
     why: list[str] = []

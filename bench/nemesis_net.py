@@ -28,7 +28,7 @@ NET_ACTIONS = ("partition", "split_chief_ps", "slow_link")
 ROLES = ("chief", "ps0", "ps1", "worker0", "worker1")
 HOSTS = (*ROLES, "outside", "ops")      # outside: join_leave's worker; ops: shoal local itself
 SLOW_RATE = "4mbit"
-_STEPS = ("import sys\nfrom shoal.proto import shoal_pb2 as pb, shoal_pb2_grpc as g\nfrom shoal.rpc import open_channel\n"
+_STEPS = ("import sys\nfrom shoal.proto import shoal_pb2 as pb, shoal_pb2_grpc as g\nfrom shoal.net.rpc import open_channel\n"
           "print(g.ChiefStub(open_channel(sys.argv[1])).GetJobStats(pb.Empty(), timeout=2).totals.steps)")
 
 

@@ -39,7 +39,7 @@ CTX = mp.get_context("spawn")
 
 def _server(namespace: str | None, block: int, ports: mp.Queue, stop: mp.Queue) -> None:
     enter(namespace)
-    from shoal import rpc
+    from shoal.net import rpc
     payload = bytes(block)
     handlers = grpc.method_handlers_generic_handler("pattern", {
         "Push": grpc.unary_unary_rpc_method_handler(lambda request, context: b""),
@@ -55,7 +55,7 @@ def _server(namespace: str | None, block: int, ports: mp.Queue, stop: mp.Queue) 
 def _worker(namespace: str | None, rank: int, addresses: list[str], blocks: int, block: int, window: int,
             steps: int, barrier, out: mp.Queue) -> None:
     enter(namespace)
-    from shoal import rpc
+    from shoal.net import rpc
     channels = [grpc.insecure_channel(a, options=rpc.CHANNEL_OPTIONS) for a in addresses]
     push = [c.unary_unary("/pattern/Push") for c in channels]
     pull = [c.unary_unary("/pattern/Pull") for c in channels]

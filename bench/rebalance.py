@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from shoal.chief import placement                     # noqa: E402
 from shoal.chief.state import ChiefState               # noqa: E402
-from shoal.config import JobConfig                     # noqa: E402
+from shoal.settings.config import JobConfig                     # noqa: E402
 from shoal.members import Role                         # noqa: E402
 
 LEASE = 3.0

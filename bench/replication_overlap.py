@@ -53,7 +53,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from shoal.config import JobConfig, OptimizerSpec
+    from shoal.settings.config import JobConfig, OptimizerSpec
     from shoal.ps.consistency import AsyncRule
     from shoal.ps.host import ShardHost
     from shoal.ps.replication import Replicator, install_frames, replica_bytes

@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from shoal import codecs
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps import changes
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.servicer import PushAssembly
 from shoal.ps.shard import Shard
-from shoal.wire import decode_chunk
+from shoal.net.wire import decode_chunk
 
 
 class _Host:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from ctr_data import CTRConfig, CTRDataset  # noqa: E402
 
 from shoal.ps.shard_tables import ShardTables  # noqa: E402
-from shoal.tables import split_by_shard, sum_rows  # noqa: E402
+from shoal.state.tables import split_by_shard, sum_rows  # noqa: E402
 
 
 def main() -> None:

@@ -310,7 +310,7 @@ def run_rounds(args: argparse.Namespace, place: Placement) -> None:
 
 def _case(spec: str) -> Case:
     """A case whose codecs the worker knows (its own checks), so a typo fails here, not after a start-up."""
-    from shoal.wire import pull_itemsize
+    from shoal.net.wire import pull_itemsize
     from shoal.worker.push import GradientEncoder
 
     try:

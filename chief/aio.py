@@ -11,7 +11,7 @@ The RPC logic stays in :class:`ChiefServicer` (sync, tested directly); this modu
 
 - each method is called with a context shim whose ``abort`` raises (as grpcio's sync context does),
   caught here and sent with the aio context;
-- what grpcio's interceptors do for the other servers (shoal.rpc, shoal.metrics, shoal.auth) is done
+- what grpcio's interceptors do for the other servers (shoal.net.rpc, shoal.observe.metrics, shoal.security.auth) is done
   in the one wrapper every method goes through: the job token, undecodable requests refused
   INVALID_ARGUMENT, call durations and error counts, and ``GetView`` answering with bytes it
   serialized once for every watcher;
@@ -28,19 +28,19 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shoal import auth, tls
+from shoal.security import auth, tls
 from shoal.chief.servicer import ChiefServicer
 from shoal.errors import ShoalError
-from shoal.metrics import observe_rpc
+from shoal.observe.metrics import observe_rpc
 from shoal.proto import shoal_pb2 as pb
-from shoal.rpc import SERVER_OPTIONS, _env_int, add_port
+from shoal.net.rpc import SERVER_OPTIONS, _env_int, add_port
 
 SERVICE = "shoal.Chief"
 REQUESTS = {"Join": pb.JoinRequest, "Heartbeat": pb.HeartbeatRequest, "Leave": pb.LeaveRequest,
             "GetView": pb.ViewRequest, "GetTasks": pb.TaskRequest, "ReportMetrics": pb.MetricsReport,
             "GetJobStats": pb.Empty, "ReportUnreachable": pb.UnreachableReport}
 OFF_LOOP = frozenset({"ReportUnreachable"})      # may block (a probe of up to a second)
-# gRPC's overload protection (on whenever grpc.max_concurrent_streams is set, as shoal.rpc sets it)
+# gRPC's overload protection (on whenever grpc.max_concurrent_streams is set, as shoal.net.rpc sets it)
 # refuses new calls (UNAVAILABLE, "RST_STREAM with error code 7") while more than that many have
 # arrived that the server has not taken up yet. With a thousand members the watches re-opened after a
 # view change pass that at once, and the heartbeats refused with them lapse leases: a chief would

@@ -49,14 +49,14 @@ import grpc
 from shoal.chief.lifecycle import FinalCheckpoint
 from shoal.chief.tasks import TaskQueue
 from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
-from shoal import metrics
-from shoal.layout import ModelLayout, ShardPlan
+from shoal.observe import metrics
+from shoal.state.layout import ModelLayout, ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.checkpoint import Checkpoint, load_latest
-from shoal.checkpoint_store import CheckpointWriter, record_failure
-from shoal import auth
-from shoal.rpc import open_channel
+from shoal.state.checkpoint import Checkpoint, load_latest
+from shoal.state.checkpoint_store import CheckpointWriter, record_failure
+from shoal.security import auth
+from shoal.net.rpc import open_channel
 
 if TYPE_CHECKING:
     from shoal.chief.state import ChiefState

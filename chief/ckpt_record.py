@@ -4,7 +4,7 @@ Which checkpoint steps failed that no later commit covers (the *missing* steps),
 step, the newest step an attempt saw (the job's last applied update as the chief knows it) and the last
 error. The run summary and ``JobStats`` report it, a chief recovered from its journal still has it, and
 ``shoal export`` reads it from the journal to refuse a checkpoint older than the job
-(``shoal/cli/export_check.py``). A pointer under the checkpoint directory (``job.json``, written when the
+(``cli/export_check.py``). A pointer under the checkpoint directory (``job.json``, written when the
 chief starts, before any disk can have filled) leads ``shoal export`` to the journal.
 """
 from __future__ import annotations

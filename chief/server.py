@@ -17,7 +17,7 @@ from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
 from shoal.chief.stragglers import StragglerPolicy
 from shoal.chief.telemetry import ChiefWatch
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.members import Role
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class ChiefServer:
     def watch(self, tensorboard: str = "", metrics_port: int | None = None) -> "ChiefServer":
         """Starts the telemetry watcher (TensorBoard under ``tensorboard``/chief, Prometheus gauges,
         worker-behind alerts) and, with ``metrics_port`` (0: any free port), ``/metrics`` over HTTP."""
-        from shoal.metrics import MetricsEndpoint, bind_host, set_info
+        from shoal.observe.metrics import MetricsEndpoint, bind_host, set_info
 
         def report(member: str, values: dict) -> None:
             with self.servicer.lock:

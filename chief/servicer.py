@@ -24,12 +24,13 @@ from shoal.chief.lifecycle import FinalCheckpoint
 from shoal.chief.state import ChiefState
 from shoal.chief.stragglers import RoundBlame
 from shoal.chief.views import ViewBoard, check_scope
-from shoal import auth, convert, tokens
+from shoal.security import auth, tokens
+from shoal.state import convert
 from shoal.errors import InvalidArgument, Unavailable
 from shoal.members import Role
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import check_address, grpc_errors, probe
+from shoal.net.rpc import check_address, grpc_errors, probe
 
 log = logging.getLogger(__name__)
 

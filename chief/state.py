@@ -11,7 +11,7 @@ import logging
 import statistics
 from typing import Callable, Mapping
 
-from shoal import tokens
+from shoal.security import tokens
 from shoal.chief import placement
 from shoal.chief.ckpt_record import CheckpointRecord
 from shoal.chief.identity import new_job_id
@@ -19,10 +19,10 @@ from shoal.chief.lifecycle import Ending, FinalCheckpoint, JobLifecycle, Observe
 from shoal.chief.membership import Membership
 from shoal.chief.stragglers import MIN_STEPS, RoundBlame, StragglerDetector, StragglerPolicy
 from shoal.chief.tasks import DatasetSpec, Task, TaskQueue
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import JOB_FINISHED, FailedPrecondition, InvalidArgument, NotFound
-from shoal.layout import ModelLayout, TensorSpec
-from shoal.loglines import log_burst
+from shoal.state.layout import ModelLayout, TensorSpec
+from shoal.observe.loglines import log_burst
 from shoal.members import Counters, Member, MemberState, Role
 from shoal.view import Route, View
 

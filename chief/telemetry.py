@@ -20,12 +20,12 @@ from typing import Callable
 
 import grpc
 
-from shoal import metrics
-from shoal.alerts import BehindDetector, count_key, metric_key
+from shoal.observe import metrics
+from shoal.observe.alerts import BehindDetector, count_key, metric_key
 from shoal.members import MemberState, Role
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.net.rpc import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class ChiefWatch:
         log.warning("alert: %s", e.text)
         self._raised[(e.kind, e.member)] = self._raised.get((e.kind, e.member), 0) + 1
         if self._report is not None:
-            from shoal.alerts import Alert
+            from shoal.observe.alerts import Alert
 
             alert = Alert(e.kind, e.member, int(e.value), 0.0)
             self._report(e.member, {metric_key(alert): e.value, count_key(alert): self._raised[(e.kind, e.member)]})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 
-from shoal import convert
+from shoal.state import convert
 from shoal.chief.state import ChiefState
 from shoal.errors import InvalidArgument
 from shoal.members import Role, ranks

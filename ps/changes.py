@@ -28,7 +28,7 @@ import collections
 import numpy as np
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.ps.sparse import sorted_union
 
 DENSE_FRACTION = 0.25   # a sparse update touching more than this share of the shard counts as dense

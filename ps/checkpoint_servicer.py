@@ -14,21 +14,21 @@ import os
 import time
 from pathlib import Path
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from shoal.layout import ShardPlan
+from shoal.state.layout import ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.checkpoint import open_checkpoint
-from shoal.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
+from shoal.state.checkpoint import open_checkpoint
+from shoal.state.checkpoint_store import TMP_RE, CheckpointWriter, PendingCheckpoint, ShardState
 from shoal.ps.consistency import rule_for
-from shoal import auth
+from shoal.security import auth
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import ps_guard
 from shoal.ps.shard import Shard
 from shoal.ps.update import count_nonfinite
-from shoal.rpc import grpc_errors, request_seconds
-from shoal.tables import read_chain, snapshot_file
+from shoal.net.rpc import grpc_errors, request_seconds
+from shoal.state.tables import read_chain, snapshot_file
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _pending_dir(directory: str) -> Path:
 
 def write_table_files(shard: Shard, root: Path, version: int, snaps: dict[str, dict]) -> dict[str, dict]:
     """Writes each table's checkpoint snapshot (full, or the changes since the last full one) to its own
-    fsynced file under ``root/tables/`` (shoal/tables.py ``snapshot_file``); returns what the shard file
+    fsynced file under ``root/tables/`` (shoal/state/tables.py ``snapshot_file``); returns what the shard file
     records of each table: its spec and the chain of files it restores from. Once a full one is on disk,
     the files older than the full one before it are removed (two generations kept)."""
     out = {}

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import AbstractSet, Mapping
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import InvalidArgument
 
 

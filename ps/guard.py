@@ -14,7 +14,7 @@ each one line of reason when it refuses:
   scaled down to that bound). The median is robust: a few huge pushes do not move it. Until
   ``norm_warmup`` pushes were accepted there is no median to trust and only a norm that overflows
   fp32 (beyond 1.8e19) is refused.
-- **Non-finite state** (:mod:`shoal.ps.shard` with :meth:`shoal.optim.ShardOptimizer.save`): an apply
+- **Non-finite state** (:mod:`shoal.ps.shard` with :meth:`shoal.state.optim.ShardOptimizer.save`): an apply
   that would leave any weight or optimizer state NaN/Inf is rolled back; the shard is left bit for bit
   as before, on the primary and, taking the same update, on its backup.
 

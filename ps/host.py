@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import HANDED_OVER, NOT_PRIMARY, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from shoal.loglines import log_burst
+from shoal.observe.loglines import log_burst
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import rule_for
 from shoal.ps.replication import FENCED, NEEDS_COPY, Replicator, replica_from_bytes
@@ -43,8 +43,8 @@ class ShardHost:
         self.replicators: dict[int, Replicator] = {}
         self.primary_of: dict[int, str] = {}          # from the latest view
         self.live_workers: frozenset[str] = frozenset()
-        self.verify_key: bytes = b""    # the chief's public key (shoal.tokens): checks tokens and credentials
-        self.credential = ""          # this ps's member credential from the chief (shoal.auth)
+        self.verify_key: bytes = b""    # the chief's public key (shoal.security.tokens): checks tokens and credentials
+        self.credential = ""          # this ps's member credential from the chief (shoal.security.auth)
         self.completed_epochs = 0
         self.bytes_in = 0
         self.bytes_out = 0

@@ -35,16 +35,16 @@ from typing import Callable, Iterator
 import grpc
 import torch
 
-from shoal import frames, tcp_client
+from shoal.net import frames, tcp_client
 from shoal.errors import HANDED_OVER, Unavailable
 from shoal.proto import shoal_pb2 as pb
-from shoal.checkpoint_store import ShardState
+from shoal.state.checkpoint_store import ShardState
 from shoal.ps.ledger import BatchKey
 from shoal.ps.shard import Shard
 from shoal.ps.update import Update
 from shoal.ps.update_wire import update_frames, update_message
-from shoal.rpc import open_channel
-from shoal.wire import DataStubs
+from shoal.net.rpc import open_channel
+from shoal.net.wire import DataStubs
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from shoal.ps.checkpoint_servicer import ShardControlServicer, restore_shard
-from shoal.optim import warm_up
+from shoal.state.optim import warm_up
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer, StatusServicer
 from shoal.ps.tcp_server import DataChannelServer
-from shoal import convert
+from shoal.state import convert
 from shoal.chief_client import ChiefClient
 from shoal.errors import EXIT_REFUSED, EXIT_UNREACHABLE
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import create_server, set_serving
+from shoal.net.rpc import create_server, set_serving
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class PSServer:
 
     def serve_metrics(self, port: int | None) -> "PSServer":
         """Gauges of the shards this server holds in the registry; with ``port`` (0: any free one) ``/metrics``."""
-        from shoal import metrics
+        from shoal.observe import metrics
         from shoal.ps.telemetry import collector
 
         metrics.register_state(f"ps/{id(self)}", collector(self.host))
@@ -178,7 +178,7 @@ class PSServer:
         set_serving(self._health, SERVICE, False)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
-        from shoal import metrics
+        from shoal.observe import metrics
         metrics.unregister_state(f"ps/{id(self)}")
         self.host.leaving = True
         self.chief.leave()          # the chief promotes this server's complete backups: a planned hand-over

@@ -17,16 +17,17 @@ from shoal.ps.replication import NoInstall, install_from_frames
 from shoal.ps.update_wire import update_from_frames
 from shoal.ps.shard import Shard
 from shoal.ps.update import count_nonfinite
-from shoal import auth, frames, tokens
+from shoal.security import auth, tokens
+from shoal.net import frames
 from shoal.ps.ledger import BatchKey
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import grpc_errors, request_seconds
+from shoal.net.rpc import grpc_errors, request_seconds
 from shoal.ps.sparse import SparseGrad
-from shoal.wire import DATA_SERVICE, decode_chunk, decode_sparse_chunk, exact_dtype, is_sparse, iter_chunks
-from shoal.tables import ROWS_CODEC, encode_rows, ids_from, specs_from_json, unpack_rows
+from shoal.net.wire import DATA_SERVICE, decode_chunk, decode_sparse_chunk, exact_dtype, is_sparse, iter_chunks
+from shoal.state.tables import ROWS_CODEC, encode_rows, ids_from, specs_from_json, unpack_rows
 
 log = logging.getLogger(__name__)
 

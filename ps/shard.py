@@ -28,9 +28,9 @@ from shoal.ps.sparse import RoundSum, SparseGrad
 from shoal.ps.update import PushResult, Update, count_nonfinite
 from shoal.ps.consistency import Action, Admission, PushContext, Rule
 from shoal.ps.ledger import BatchKey, Ledger
-from shoal.optim import build_optimizer, magnitude
-from shoal.config import OptimizerSpec
-from shoal.wire import encode_weights, pull_itemsize
+from shoal.state.optim import build_optimizer, magnitude
+from shoal.settings.config import OptimizerSpec
+from shoal.net.wire import encode_weights, pull_itemsize
 from shoal.errors import (HANDED_OVER, NOT_PRIMARY, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                           ResourceExhausted)
 
@@ -381,7 +381,7 @@ class Shard(ShardCopies, ShardGuard):
             self._opt.set_hparams(dict(u.hparams))
             self.applied_hparams = self._opt.hparams()
         sparse = isinstance(u.grad, SparseGrad) and self._opt.sparse_exact()
-        # saved first unless the step is proved finite (shoal/optim.py: needs_save); a sparse one: its elements
+        # saved first unless the step is proved finite (shoal/state/optim.py: needs_save); a sparse one: its elements
         saved = self._opt.save(u.grad.indices) if sparse else \
             self._opt.save() if self._opt.needs_save(magnitude(u.dense_grad())) else None
         touched = u.grad.indices if sparse and self._opt.step_sparse(u.grad.indices, u.grad.values) else None
@@ -394,7 +394,7 @@ class Shard(ShardCopies, ShardGuard):
             self.changes.record(u.version, u.grad if isinstance(u.grad, torch.Tensor) else None, u.sparse, touched)
         elif saved is None:         # cannot be: the bound proved it finite; said loudly, never silently kept
             raise AssertionError(f"shard {self.shard_id}: the step to version {u.version} left a non-finite value "
-                                 f"that its bound ruled out (shoal/optim.py ShardOptimizer._growth)")
+                                 f"that its bound ruled out (shoal/state/optim.py ShardOptimizer._growth)")
         else:
             self._opt.restore(saved)
             if u.hparams:

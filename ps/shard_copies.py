@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from shoal.checkpoint_store import ShardState
-from shoal.config import OptimizerSpec
+from shoal.state.checkpoint_store import ShardState
+from shoal.settings.config import OptimizerSpec
 from shoal.ps.changes import ChangeLog
 from shoal.ps.consistency import Rule
 from shoal.errors import FailedPrecondition

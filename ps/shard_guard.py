@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import PermissionDenied
 from shoal.ps.guard import UpdateGuard
 from shoal.ps.update import PushResult, Update

@@ -1,6 +1,6 @@
 """The embedding tables' partitions a shard holds, and the row half of its rounds.
 
-Partition ``k`` of every table lives in shard ``k`` (:func:`shoal.tables.partition_of`), so the
+Partition ``k`` of every table lives in shard ``k`` (:func:`shoal.state.tables.partition_of`), so the
 shard's own machinery covers its rows: a push's row gradients join the push's round under its
 idempotency key and ledger entries, a closed round's summed rows travel to the backup inside the
 same :class:`~shoal.ps.update.Update` and are applied by the same ``_apply`` on primary and backup,
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from shoal.errors import FailedPrecondition, InvalidArgument
-from shoal.tables import FULL_EVERY, partition_of, sum_rows
+from shoal.state.tables import FULL_EVERY, partition_of, sum_rows
 
 EVICT_EVERY = 64      # shard versions between two eviction passes over the tables that evict
 
@@ -169,7 +169,7 @@ class ShardTables:
 
     def checkpoint_snapshots(self) -> dict[str, dict]:
         """Each table's snapshot for a checkpoint (lock held, at the cut): a full one every
-        :data:`shoal.tables.FULL_EVERY` checkpoints (or when none was written yet), else the rows changed
+        :data:`shoal.state.tables.FULL_EVERY` checkpoints (or when none was written yet), else the rows changed
         since the last full one (differential: a checkpoint that failed never breaks the next one's chain).
         :meth:`checkpoint_written` makes a full one the base once its file is safely on disk."""
         out = {}
@@ -195,7 +195,7 @@ class ShardTables:
 
     def restore(self, saved: dict[str, dict], snapshots: dict[str, list[bytes]] | None = None) -> None:
         """Tables from a backup's copy (each entry holds its snapshot) or a checkpoint (``snapshots``: each
-        table's chain, read by :func:`shoal.tables.read_chain`)."""
+        table's chain, read by :func:`shoal.state.tables.read_chain`)."""
         t = _tables_module()
         for name, entry in saved.items():
             self.declare([entry["spec"]], int(entry["num_shards"]))

@@ -3,7 +3,7 @@
 A push whose every chunk came in a sparse codec (top-k) reaches the shard as a
 :class:`SparseGrad` (strictly increasing int64 indices and their fp32 values).
 The shard applies it to those elements only where that is exactly what the
-dense step would do (:meth:`shoal.optim.ShardOptimizer.step_sparse`), and its
+dense step would do (:meth:`shoal.state.optim.ShardOptimizer.step_sparse`), and its
 change log then records the indices it was handed, without a ``!= 0`` scan.
 
 Where the sparse step is exact, bit for bit:

@@ -1,4 +1,4 @@
-"""The ps end of the raw TCP data channel (:mod:`shoal.tcp_channel`): Push, Pull and Replicate.
+"""The ps end of the raw TCP data channel (:mod:`shoal.net.tcp_channel`): Push, Pull and Replicate.
 
 One thread per connection (a worker holds one or a few per shard, a primary
 one per shard it forwards to this backup), each serving requests in order.
@@ -22,12 +22,13 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from shoal import auth, frames, tls
-from shoal import tcp_channel as tc
+from shoal.security import auth, tls
+from shoal.net import frames
+from shoal.net import tcp_channel as tc
 from shoal.errors import InvalidArgument, PermissionDenied, ShoalError
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.update_wire import Incoming
-from shoal.tables import MAX_ROWS_BYTES, ROWS_CODEC
+from shoal.state.tables import MAX_ROWS_BYTES, ROWS_CODEC
 from shoal.ps.servicer import DataServicer, PushAssembly
 
 log = logging.getLogger(__name__)

@@ -2,13 +2,13 @@
 
 Nothing on the push path updates them: a scrape reads each held copy's version,
 size and push counts, and the host's byte counters (RPC latency and errors come
-from the interceptor every server has, :mod:`shoal.metrics`).
+from the interceptor every server has, :mod:`shoal.observe.metrics`).
 """
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily
 
-from shoal import metrics
+from shoal.observe import metrics
 
 
 def collector(host):

@@ -15,7 +15,7 @@ exactly, but not always as dense fp32:
 - otherwise dense fp32, as before.
 
 An update's embedding rows (:attr:`Update.rows`) travel after the gradient as one
-:func:`shoal.tables.pack_rows` blob of ``rows_bytes``: in the same body on the TCP
+:func:`shoal.state.tables.pack_rows` blob of ``rows_bytes``: in the same body on the TCP
 channel, in frames of their own (``rows_part``) over gRPC.
 
 On the TCP data channel an update is one message (its header, then the body);
@@ -32,13 +32,13 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from shoal import frames
+from shoal.net import frames
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.ledger import BatchKey
 from shoal.ps.sparse import SparseGrad
 from shoal.ps.update import Update
-from shoal.tables import MAX_ROWS_BYTES, pack_rows, unpack_rows
+from shoal.state.tables import MAX_ROWS_BYTES, pack_rows, unpack_rows
 
 DTYPES = {"": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENTRY_BYTES = 12                # an int64 index and an fp32 value

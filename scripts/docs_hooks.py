@@ -4,9 +4,9 @@ Generated at build time, never written by hand:
 
 - ``reference/cli.md``: ``shoal --help`` and every sub-command's help, from the argparse parser
   (``shoal.cli.main.build_parser``);
-- ``reference/job-file.md``: every job-file key, from the schema (``shoal.jobfile.KEYS``) and the
-  ``alerts`` thresholds (``shoal.alerts.AlertConfig``);
-- ``reference/metrics.md``: every Prometheus metric, from the registry in ``shoal/metrics.py`` and the
+- ``reference/job-file.md``: every job-file key, from the schema (``shoal.settings.jobfile.KEYS``) and the
+  ``alerts`` thresholds (``shoal.observe.alerts.AlertConfig``);
+- ``reference/metrics.md``: every Prometheus metric, from the registry in ``shoal/observe/metrics.py`` and the
   state gauges the chief and the parameter servers yield at scrape time;
 - ``benchmarks/RESULTS.md`` and ``benchmarks/NOTEBOOK.md``: ``bench/RESULTS.md`` and ``bench/NOTEBOOK.md``
   as they are in the repository (those files stay where the figures are recorded).
@@ -102,7 +102,7 @@ def cli_reference() -> str:
         for name, sub in sorted(commands.items()):
             for action in sub._actions:
                 if action.help is None and action.option_strings and not isinstance(action, argparse._HelpAction):
-                    log.warning("shoal %s %s has no help text (shoal/cli)", name, "/".join(action.option_strings))
+                    log.warning("shoal %s %s has no help text (cli)", name, "/".join(action.option_strings))
             lines += [f"## shoal {name}", "", "```text", sub.format_help().rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -112,18 +112,18 @@ def _flags(dests: tuple[str, ...]) -> str:
 
 
 def job_file_reference() -> str:
-    from shoal.alerts import AlertConfig
-    from shoal.jobfile import _LEGACY_FLAT, _OPEN_SECTIONS, KEYS
+    from shoal.observe.alerts import AlertConfig
+    from shoal.settings.jobfile import _LEGACY_FLAT, _OPEN_SECTIONS, KEYS
 
     lines = ["# Job-file reference", "",
-             "Generated from the schema in `shoal/jobfile.py` (`KEYS`) and `shoal/alerts.py` (`AlertConfig`) each",
+             "Generated from the schema in `shoal/settings/jobfile.py` (`KEYS`) and `shoal/observe/alerts.py` (`AlertConfig`) each",
              "time the site is built. How the file is used: [The job file](../operations/job-file.md).", "",
              "Precedence, lowest first: the file, the `SHOAL_*` variable, the flag. A key a command does not",
              "take is ignored by it; an unknown key, a wrong type or a bad value is one line naming the key path.", "",
              "| key | type | allowed | flag | variable | commands |", "|---|---|---|---|---|---|"]
     for path, key in KEYS.items():
         if not key.allowed:
-            log.warning("job-file key %s says nothing of what is allowed (shoal/jobfile.py KEYS)", path)
+            log.warning("job-file key %s says nothing of what is allowed (shoal/settings/jobfile.py KEYS)", path)
         commands = ", ".join(key.commands) if key.commands else ("each with the flag" if key.dests else "file only")
         lines.append(f"| `{path}` | {key.kind} | {key.allowed.replace('|', '/')} | {_flags(key.dests)} | "
                      f"{'`' + key.env_name() + '`' if key.env_name() else ''} | {commands} |")
@@ -160,7 +160,7 @@ def _state_gauges() -> list[tuple[str, str, list[str], str]]:
 
 
 def _metric_sections(path: Path) -> dict[str, str]:
-    """metric name -> who updates it, from the ``# ---- <who>: ...`` comment above it in shoal/metrics.py."""
+    """metric name -> who updates it, from the ``# ---- <who>: ...`` comment above it in shoal/observe/metrics.py."""
     owner, found = "", {}
     for line in path.read_text().splitlines():
         if line.startswith("# ---- "):
@@ -173,10 +173,10 @@ def _metric_sections(path: Path) -> dict[str, str]:
 def metric_reference() -> str:
     from prometheus_client import Counter, Gauge, Histogram
 
-    import shoal.metrics as metrics
+    import shoal.observe.metrics as metrics
 
     lines = ["# Metric reference", "",
-             "Generated from the registry in `shoal/metrics.py` and the state gauges in `chief/telemetry.py` and",
+             "Generated from the registry in `shoal/observe/metrics.py` and the state gauges in `chief/telemetry.py` and",
              "`ps/telemetry.py` each time the site is built. Every role serves them on `/metrics` with",
              "`--metrics-port` ([Monitoring](../monitoring.md#prometheus)).", "",
              "| metric | type | labels | what | from |", "|---|---|---|---|---|"]
@@ -188,7 +188,7 @@ def metric_reference() -> str:
             continue
         name = obj._name + ("_total" if kind == "counter" and not obj._name.endswith("_total") else "")
         if not obj._documentation:
-            log.warning("metric %s has no description (shoal/metrics.py)", name)
+            log.warning("metric %s has no description (shoal/observe/metrics.py)", name)
         labels = ", ".join(f"`{label}`" for label in obj._labelnames)
         source = sections.get(obj._name, "")
         if obj is metrics.ALERTS:

@@ -50,7 +50,7 @@ U, I = "tests/unit/", "tests/integration/"
 # module -> the fast tests that exercise it (unit first, then integration), most targeted first:
 # pytest stops at the first failure, so a mutant the first file kills costs only that file.
 MODULES: dict[str, list[str]] = {
-    "shoal/tokens.py": [U + "test_task_tokens.py", U + "test_membership.py", U + "test_chief_persistence.py",
+    "shoal/security/tokens.py": [U + "test_task_tokens.py", U + "test_membership.py", U + "test_chief_persistence.py",
                         I + "test_cluster.py::test_a_push_for_a_task_the_worker_does_not_hold_is_refused"],
     "ps/ledger.py": [U + "test_ledger_counts.py", U + "test_shard_rounds.py", U + "test_checkpoint_cut.py",
                      U + "test_replication_order.py"],
@@ -66,7 +66,7 @@ MODULES: dict[str, list[str]] = {
     "chief/membership.py": [U + "test_membership_edges.py", U + "test_membership.py", U + "test_chief_isolation.py",
                             U + "test_chief_persistence.py", U + "test_lease_deadlines.py"],
     "chief/placement.py": [U + "test_placement_edges.py", U + "test_placement.py"],
-    "shoal/checkpoint_store.py": [U + "test_checkpoint_store_edges.py", U + "test_checkpoint.py", U + "test_checksum_chunks.py",
+    "shoal/state/checkpoint_store.py": [U + "test_checkpoint_store_edges.py", U + "test_checkpoint.py", U + "test_checksum_chunks.py",
                                   U + "test_checkpoint_cut.py"],
     "ps/shard.py": [U + "test_shard_mutants.py", U + "test_shard_rounds.py", U + "test_replication_order.py", U + "test_ledger_counts.py",
                     U + "test_shard_optimizer.py", U + "test_changes.py", U + "test_checkpoint_cut.py",

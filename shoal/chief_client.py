@@ -15,13 +15,13 @@ from typing import Callable
 
 import grpc
 
-from shoal import convert
+from shoal.state import convert
 from shoal.errors import EXIT_REFUSED, Unreachable
-from shoal.keepalive import HeartbeatStream
+from shoal.net.keepalive import HeartbeatStream
 from shoal.members import Counters
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import RETRYABLE, open_channel, with_retries
+from shoal.net.rpc import RETRYABLE, open_channel, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ChiefClient:
         self._counters = counters or Counters
         self._heartbeat_extra = heartbeat_extra
         self._join_deadline_s = join_deadline_s
-        self.credential = ""             # from the chief at join: who this member is (shoal.auth)
+        self.credential = ""             # from the chief at join: who this member is (shoal.security.auth)
         self._lost_after_s = lost_after_s        # heartbeats failing this long: on_lost(why), and they stop
         self._on_lost = on_lost
         # the chief now serving is not of this member's job (its journal was lost): on_refused(why) once, and

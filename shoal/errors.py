@@ -1,6 +1,6 @@
 """The exception hierarchy shared by every role.
 
-Core code raises these; only the servicer boundary (:func:`shoal.rpc.grpc_errors`)
+Core code raises these; only the servicer boundary (:func:`shoal.net.rpc.grpc_errors`)
 turns them into gRPC status codes, and clients branch on ``RpcError.code()``.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.members import Member
 
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from harness import InProcessCluster, wait_until
 
 

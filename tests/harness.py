@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from shoal.chief.server import ChiefServer
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.ps.server import PSServer
 
 

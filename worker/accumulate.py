@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from shoal import convert
+from shoal.state import convert
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.layout import TensorSpec
+from shoal.state.layout import TensorSpec
 
 
 class ModelBuffers:

@@ -15,11 +15,11 @@ import grpc
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from shoal import convert
+from shoal.state import convert
 from shoal.dataset import DatasetSpec, Task
 from shoal.proto import shoal_pb2 as pb
 from shoal.errors import Unreachable
-from shoal.rpc import RETRYABLE, with_retries
+from shoal.net.rpc import RETRYABLE, with_retries
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from shoal.errors import InvalidArgument
-from shoal.jobfile import job_from_env
+from shoal.settings.jobfile import job_from_env
 from shoal.worker.optimizer import DistributedOptimizer
 from shoal.worker.sampler import DistributedSampler
 

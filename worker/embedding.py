@@ -7,7 +7,7 @@ The constructor and forward are those of :class:`torch.nn.Embedding` /
 :class:`torch.nn.EmbeddingBag`; the table itself is never allocated on a
 worker. :func:`shoal.worker.DistributedOptimizer` (its :class:`Trainer`) finds
 these modules, declares their tables to the shards (row ``i`` lives on shard
-``shoal.tables.partition_of(i, num_shards)``) and serves them: a forward pulls
+``shoal.state.tables.partition_of(i, num_shards)``) and serves them: a forward pulls
 the unique rows the batch touches (one lookup per shard holding some), backward
 leaves the gradient of those rows only, and ``step()`` pushes it with the dense
 gradient, under the same idempotency key. The extra keywords:

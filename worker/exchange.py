@@ -23,7 +23,7 @@ import torch
 from shoal.dataset import Task
 from shoal.errors import Refused
 from shoal.proto import shoal_pb2 as pb
-from shoal.tables import ROWS_CODEC
+from shoal.state.tables import ROWS_CODEC
 from shoal.worker import accumulate
 from shoal.worker.pipeline import Pipeline, push_order, window_from, worker_rank
 from shoal.worker.ps_client import is_uninitialised
@@ -228,7 +228,7 @@ class ShardExchange:
                 grad = grad.cpu()
         chunks = self.encoder.encode(shard, grad, self._clients[shard].chunk_bytes)
         rows = self._row_push.get(shard)
-        if rows:        # the embedding rows' gradients: the push's last frame (shoal/tables.py)
+        if rows:        # the embedding rows' gradients: the push's last frame (shoal/state/tables.py)
             chunks = [*chunks, (b - a, 0, ROWS_CODEC, rows)]
         extra = accumulate.header_fields(group)
         if hparams:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 
 
 def server_optimizer(spec: OptimizerSpec, sparse_codec: bool) -> OptimizerSpec:

@@ -5,7 +5,7 @@
 returns an object of the user's optimizer class (so ``isinstance`` checks and
 ``torch.optim.lr_scheduler`` keep working) whose ``step()`` pushes the gradients
 and pulls the new weights. The optimizer's class, param groups and
-hyper-parameters become the shards' :class:`shoal.config.OptimizerSpec`: a single
+hyper-parameters become the shards' :class:`shoal.settings.config.OptimizerSpec`: a single
 group of ``SGD``/``Adam``/``AdamW`` with plain flags maps to the registered name
 (so momentum correction with top-k keeps working), anything else is sent as the
 class name with each group's hyper-parameters and the flat ranges its
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from shoal.config import UNSUPPORTED_TORCH_OPTIMIZERS, OptimizerSpec, ParamGroupSpec
+from shoal.settings.config import UNSUPPORTED_TORCH_OPTIMIZERS, OptimizerSpec, ParamGroupSpec
 from shoal.errors import InvalidArgument
-from shoal.layout import ModelLayout
-from shoal.optim import OPTIMIZERS, numeric_hparams
+from shoal.state.layout import ModelLayout
+from shoal.state.optim import OPTIMIZERS, numeric_hparams
 from shoal.worker.accumulate import Accumulation
 from shoal.worker.embedding import find_tables, swap_meta_embeddings
 from shoal.worker.tables import row_defaults

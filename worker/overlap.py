@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from shoal.layout import ModelLayout, ShardPlan
+from shoal.state.layout import ModelLayout, ShardPlan
 
 
 class GradReadiness:

@@ -1,7 +1,7 @@
 """Client of one parameter shard's data plane: Init, Push, Pull.
 
 Push and Pull take the ps's raw TCP data channel when it offers one
-(:mod:`shoal.tcp_client`), else gRPC with raw frames; Init always goes
+(:mod:`shoal.net.tcp_client`), else gRPC with raw frames; Init always goes
 over gRPC (once per job). Both transports fail with ``grpc.RpcError`` codes,
 so callers handle them alike.
 """
@@ -16,17 +16,17 @@ import grpc
 import numpy as np
 import torch
 
-from shoal import frames
-from shoal.config import OptimizerSpec
+from shoal.net import frames
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
-from shoal.wire import DataStubs, decode_weights, pull_itemsize
-from shoal.tables import decode_rows
-from shoal import tcp_client
-from shoal.tcp_channel import ChannelError
-from shoal.tcp_client import TcpDataChannel, negotiate
+from shoal.net.rpc import open_channel
+from shoal.net.wire import DataStubs, decode_weights, pull_itemsize
+from shoal.state.tables import decode_rows
+from shoal.net import tcp_client
+from shoal.net.tcp_channel import ChannelError
+from shoal.net.tcp_client import TcpDataChannel, negotiate
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ShardClient:
     def init(self, values: torch.Tensor, optimizer: OptimizerSpec, timeout_s: float = 60,
              flat_start: int = 0, tables_json: str = "") -> pb.InitReply:
         """``flat_start``: the shard's first element in the flat model (where the param groups fall).
-        ``tables_json``: the embedding tables whose partition this shard holds (shoal/tables.py)."""
+        ``tables_json``: the embedding tables whose partition this shard holds (shoal/state/tables.py)."""
         opt = pb.OptimizerConfig(name=optimizer.name, hparams=dict(optimizer.hparams), spec_json=optimizer.to_json())
         raw = frames.tensor_bytes(values)
         per = max(1, self.grpc_chunk_bytes // 4)

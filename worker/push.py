@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal import frames
+from shoal.net import frames
 from shoal.errors import InvalidArgument
 
 

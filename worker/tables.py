@@ -2,7 +2,7 @@
 
 A :class:`TableRouter` serves the :mod:`shoal.worker.embedding` modules of a Trainer's model. A
 forward hands it the batch's unique ids of a table; it asks each shard that holds some of them
-(:func:`shoal.tables.partition_of`) for their rows, in parallel, at the version the worker's dense
+(:func:`shoal.state.tables.partition_of`) for their rows, in parallel, at the version the worker's dense
 weights of that shard are at (a sync worker sees the rows of the same round as its weights), and
 follows the view when a shard moves. The rows come back as a leaf tensor that autograd fills with
 their gradient; :meth:`TableRouter.collect` sums those per id over the step's forwards and splits
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from shoal.errors import InvalidArgument
-from shoal.tables import pack_rows, specs_to_json, split_by_shard, sum_rows
+from shoal.state.tables import pack_rows, specs_to_json, split_by_shard, sum_rows
 from shoal.worker.embedding import find_tables
 from shoal.worker.routes import is_failover
 
@@ -198,7 +198,7 @@ class TableRouter:
             self._pending[name] = [(u, r) for u, r in recs if r.grad is None]
 
     def collect(self) -> dict[int, bytes]:
-        """This step's row gradients summed per id, as one :func:`shoal.tables.pack_rows` blob per shard
+        """This step's row gradients summed per id, as one :func:`shoal.state.tables.pack_rows` blob per shard
         that holds some; the records are cleared."""
         by_shard: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
         for name, m in self.modules:

@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from shoal import metrics
-from shoal.alerts import AlertConfig, TrainingAlerts, count_key, metric_key
-from shoal.config import from_sources
+from shoal.observe import metrics
+from shoal.observe.alerts import AlertConfig, TrainingAlerts, count_key, metric_key
+from shoal.settings.config import from_sources
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class WorkerTelemetry:
             writer.add_scalar(f"alerts/{alert.kind}", alert.value if math.isfinite(alert.value) else 0.0,
                               alert.step, walltime=wall)
             writer.add_text("alerts", alert.message(), alert.step, walltime=wall)
-        # the number of lines, so the run's ending counts what was printed (shoal.alerts.count_key)
+        # the number of lines, so the run's ending counts what was printed (shoal.observe.alerts.count_key)
         raised = sum(1 for a in self.raised if a.kind == alert.kind)
         self._send({metric_key(alert): float(alert.step), count_key(alert): float(raised)})
 

@@ -1,7 +1,7 @@
 """The object a training script holds: it replaces ``optimizer.step()`` with push + pull.
 
 The model's parameters and gradients are re-pointed into two flat fp32 buffers
-laid out as :class:`shoal.layout.ShardPlan` says, so a shard's slice is pushed
+laid out as :class:`shoal.state.layout.ShardPlan` says, so a shard's slice is pushed
 and pulled without gathering tensors one by one.
 """
 from __future__ import annotations
@@ -19,17 +19,18 @@ from typing import Any, Callable, Iterator
 import grpc
 import torch
 
-from shoal import convert, metrics
+from shoal.state import convert
+from shoal.observe import metrics
 from shoal.chief_client import ChiefClient
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.dataset import DatasetSpec, Task
 from shoal.errors import FailedPrecondition, InvalidArgument, Refused, Unreachable
-from shoal.jobfile import job_from_env
-from shoal.layout import ModelLayout, ShardPlan
-from shoal.loglines import log_burst
+from shoal.settings.jobfile import job_from_env
+from shoal.state.layout import ModelLayout, ShardPlan
+from shoal.observe.loglines import log_burst
 from shoal.members import Counters
 from shoal.memory import tune_malloc
-from shoal.rpc import with_retries
+from shoal.net.rpc import with_retries
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.overlap import GradReadiness
 from shoal.worker.data import TaskFeed, batches_of, dataset_size

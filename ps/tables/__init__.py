@@ -1,7 +1,7 @@
 """Embedding tables held on the parameter servers: pure state (numpy only, no sockets, no torch).
 
 One :class:`RowTable` is one partition of one table (the rows whose id hashes to
-that partition, :func:`shoal.tables.partition_of`), living inside the dense
+that partition, :func:`shoal.state.tables.partition_of`), living inside the dense
 shard of the same number. See ``docs/embeddings.md`` for the user's view.
 """
 from shoal.ps.tables.init import initial_rows

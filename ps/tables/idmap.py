@@ -8,7 +8,7 @@ probing, and at load <= 1/2 (tombstones counted) almost all ids settle in the
 first one or two rounds. Any int64 is a valid key (the emptiness is in the slot).
 
 The position of an id is the top bits of a multiply-xorshift mix that differs
-from the one :func:`shoal.tables.partition_of` uses, so the ids of one
+from the one :func:`shoal.state.tables.partition_of` uses, so the ids of one
 partition (which share their partition hash modulo the shard count) still
 spread over every cell.
 """

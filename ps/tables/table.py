@@ -58,7 +58,7 @@ class PreparedApply:
 
 
 def _partition_of(ids: np.ndarray, num_partitions: int) -> np.ndarray:
-    from shoal.tables import partition_of          # the core's one placement function (worker and server)
+    from shoal.state.tables import partition_of          # the core's one placement function (worker and server)
 
     return np.asarray(partition_of(ids, num_partitions))
 

@@ -14,11 +14,12 @@ import grpc
 import torch
 from hypothesis import strategies as st
 
-from shoal import auth, frames
-from shoal import tcp_channel as tc
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.security import auth
+from shoal.net import frames
+from shoal.net import tcp_channel as tc
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
-from shoal.wire import DATA_SERVICE
+from shoal.net.wire import DATA_SERVICE
 from harness import InProcessCluster
 
 TOKEN = b"fuzzing-token-0123456789"

@@ -3,7 +3,7 @@
 import logging
 
 from shoal.chief.server import ChiefServer
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 
 
 def test_a_chief_bound_to_every_interface_says_so(caplog):
@@ -23,7 +23,7 @@ def test_an_address_that_cannot_be_bound_is_one_refusal_naming_it():
     import pytest
 
     from shoal.errors import InvalidArgument
-    from shoal.rpc import create_server
+    from shoal.net.rpc import create_server
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

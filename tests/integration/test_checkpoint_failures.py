@@ -3,8 +3,8 @@
 import errno
 
 from shoal import cli
-from shoal.checkpoint import load_latest
-from shoal.checkpoint_store import CheckpointWriter, read_failure, record_failure
+from shoal.state.checkpoint import load_latest
+from shoal.state.checkpoint_store import CheckpointWriter, read_failure, record_failure
 from shoal.cli.status import collect, render
 from shoal.worker import Trainer
 
@@ -63,7 +63,7 @@ def test_a_disk_that_fills_under_the_servers_is_one_line_naming_it_not_a_traceba
         error = job_stats(c).checkpoint_error
         assert "RESOURCE_EXHAUSTED" in error and "No space left on device" in error, error
         assert "see the server log" not in error
-        assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "shoal.rpc"]
+        assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "shoal.net.rpc"]
         t.close()
     finally:
         c.stop()

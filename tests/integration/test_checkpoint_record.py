@@ -3,10 +3,10 @@ cannot hide), reported after a chief restart, and ``shoal export`` refuses the s
 import errno
 
 from shoal import cli
-from shoal.checkpoint import load_latest
-from shoal.checkpoint_store import CheckpointWriter
+from shoal.state.checkpoint import load_latest
+from shoal.state.checkpoint_store import CheckpointWriter
 from shoal.chief.checkpointer import CheckpointConfig, Interval
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.worker import Trainer
 from harness import InProcessCluster
 

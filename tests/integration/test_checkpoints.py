@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from shoal import cli
 from shoal.errors import Refused
 from shoal.chief.checkpointer import CheckpointConfig, Interval, restore_tasks
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.checkpoint import export_state_dict, list_checkpoints, load_latest, open_checkpoint
-from shoal.rpc import open_channel
+from shoal.state.checkpoint import export_state_dict, list_checkpoints, load_latest, open_checkpoint
+from shoal.net.rpc import open_channel
 from harness import InProcessCluster, run_threads, wait_until
 from shoal.worker import Trainer
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from shoal import auth
+from shoal.security import auth
 from shoal.chief.server import ChiefServer
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from shoal.chief.journal import Journal
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
-from shoal.convert import layout_to_pb
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.settings.config import JobConfig
+from shoal.state.convert import layout_to_pb
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.proto import shoal_pb2 as pb
 from harness import InProcessCluster, run_threads, wait_until
 from shoal.worker import Trainer
@@ -103,7 +103,7 @@ def test_a_chief_that_cannot_write_its_journal_stops_answering_and_asks_to_exit(
 
     from shoal.chief.server import ChiefServer
     from shoal.proto import shoal_pb2_grpc as pb_grpc
-    from shoal.rpc import open_channel
+    from shoal.net.rpc import open_channel
 
     chief = ChiefServer(JobConfig(num_shards=1), tick_s=0.05, journal=tmp_path / "chief.db").start()
     channel = open_channel(chief.address)

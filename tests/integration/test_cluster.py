@@ -190,8 +190,8 @@ def test_backup_worker_rounds_drop_the_straggler_and_requeue_its_batches(cluster
 
 
 def test_a_push_for_a_task_the_worker_does_not_hold_is_refused(cluster_factory):
-    from shoal import frames
-    from shoal.layout import ModelLayout
+    from shoal.net import frames
+    from shoal.state.layout import ModelLayout
     from shoal.worker.ps_client import ShardClient
 
     c = cluster_factory(1, mode="async")

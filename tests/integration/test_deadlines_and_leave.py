@@ -13,11 +13,11 @@ from harness import wait_until
 from shoal.chief.server import ChiefServer
 from shoal.chief_client import ChiefClient
 from shoal.cli.main import main
-from shoal.config import JobConfig
-from shoal.convert import layout_to_pb
+from shoal.settings.config import JobConfig
+from shoal.state.convert import layout_to_pb
 from shoal.dataset import DatasetSpec
 from shoal.errors import EXIT_UNREACHABLE, Unreachable
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.members import MemberState
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.server import PSServer

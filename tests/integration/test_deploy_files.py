@@ -11,7 +11,7 @@ import yaml
 
 from shoal.cli import compose, k8s
 from shoal.cli.main import build_parser, main
-from shoal.jobfile import load_job, parse_job
+from shoal.settings.jobfile import load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "job.yaml"
@@ -163,7 +163,7 @@ def test_the_generators_write_files_and_reject_a_bad_job(tmp_path, capsys):
 
 
 def test_shoal_health_follows_the_health_service(capsys):
-    from shoal.rpc import create_server, set_serving
+    from shoal.net.rpc import create_server, set_serving
 
     server, port, health = create_server("127.0.0.1:0")
     server.start()

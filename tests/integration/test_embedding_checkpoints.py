@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from harness import InProcessCluster, wait_until
 from shoal import cli
 from shoal.chief.checkpointer import CheckpointConfig, Interval
-from shoal.checkpoint import load_latest
-from shoal.config import JobConfig
-from shoal.tables import RowsFile
+from shoal.state.checkpoint import load_latest
+from shoal.settings.config import JobConfig
+from shoal.state.tables import RowsFile
 from shoal.worker import Trainer
 from shoal.worker.embedding import ShardedEmbedding
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_threads, wait_until
-from shoal.tables import partition_of
+from shoal.state.tables import partition_of
 from shoal.worker import DistributedOptimizer, DistributedSampler, Trainer
 from shoal.worker.embedding import ShardedEmbedding, ShardedEmbeddingBag
 
@@ -306,10 +306,11 @@ def test_rows_ride_the_jobs_token_a_lookup_without_it_is_refused():
     import grpc
 
     from harness import InProcessCluster
-    from shoal import auth, frames
-    from shoal.config import JobConfig
+    from shoal.security import auth
+    from shoal.net import frames
+    from shoal.settings.config import JobConfig
     from shoal.proto import shoal_pb2 as pb
-    from shoal.wire import DataStubs
+    from shoal.net.wire import DataStubs
 
     auth.use_token(b"0123456789abcdef-table-token")
     c = InProcessCluster(2, JobConfig(num_shards=2, mode="async"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import wait_until
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import HANDED_OVER, NOT_PRIMARY, FailedPrecondition, NotFound, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps import host as host_module

@@ -9,13 +9,13 @@ import io
 import torch.nn.functional as F
 
 from harness import InProcessCluster, wait_until
-from shoal.checkpoint import load_latest
+from shoal.state.checkpoint import load_latest
 from shoal.chief.checkpointer import CheckpointConfig, Interval
 from shoal.cli.local import LocalCluster, LocalConfig
 from shoal.cli.progress import result_lines
 from shoal.cli.records import add_records, violation
 from shoal.cli.status import exactly_once, shards_readable
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.worker import Trainer
 
 from test_cluster import data, mlp

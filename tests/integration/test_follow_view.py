@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
-from shoal import tcp_channel as tc
+from shoal.net import tcp_channel as tc
 from shoal.proto import shoal_pb2 as pb
-from shoal.tcp_client import TcpDataChannel
+from shoal.net.tcp_client import TcpDataChannel
 from shoal.worker.ps_client import ShardClient
 from shoal.worker.routes import ShardRoutes, is_failover
 
@@ -113,7 +113,7 @@ def test_a_worker_starting_up_while_a_primary_is_killed_follows_the_view_to_its_
     """Issue 20: a worker that started while a primary was being killed retried the dead address for 60 s
     and exited 1. Its start-up (pull, Init, status) follows the view like its training calls do."""
     from harness import InProcessCluster, wait_until
-    from shoal.config import JobConfig
+    from shoal.settings.config import JobConfig
     from shoal.worker import Trainer
     from test_cluster import mlp
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from fuzzing import (BAD_CODES, CHIEF_METHODS, DATA_METHODS, PS_METHODS, STREAMING, Target, data_frames,
                      messages, rss_mb, tcp_messages)
-from shoal import tcp_channel as tc
+from shoal.net import tcp_channel as tc
 
 FAST = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))

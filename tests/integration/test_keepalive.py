@@ -1,4 +1,4 @@
-"""Heartbeats on one KeepAlive stream (shoal/keepalive.py, chief/aio.py): the chief answers each in
+"""Heartbeats on one KeepAlive stream (shoal/net/keepalive.py, chief/aio.py): the chief answers each in
 order as Heartbeat would; a member whose beat goes unanswered fails it in time and opens a new
 stream; one whose chief ended the stream, or has none, goes on; a stranger gets the same refusals
 as on the single call."""
@@ -13,11 +13,11 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from shoal import auth
+from shoal.security import auth
 from shoal.chief.server import ChiefServer
 from shoal.chief_client import ChiefClient
-from shoal.config import JobConfig
-from shoal.keepalive import HeartbeatStream
+from shoal.settings.config import JobConfig
+from shoal.net.keepalive import HeartbeatStream
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from tests.harness import wait_until

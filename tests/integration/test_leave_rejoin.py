@@ -9,7 +9,7 @@ import pytest
 from harness import run_threads, wait_until
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.net.rpc import open_channel
 from shoal.worker import Trainer
 
 from test_cluster import assert_exactly_once, data, mlp

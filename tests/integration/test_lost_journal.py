@@ -1,7 +1,7 @@
 """A chief that lost its journal while the job's servers live: they refuse it, and it learns it from them."""
 import os
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import EXIT_REFUSED
 from harness import InProcessCluster, wait_until
 

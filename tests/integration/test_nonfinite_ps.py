@@ -5,10 +5,10 @@ import grpc
 import pytest
 import torch
 
-from shoal import frames
-from shoal.checkpoint_store import CheckpointWriter
+from shoal.net import frames
+from shoal.state.checkpoint_store import CheckpointWriter
 from shoal.chief.telemetry import RefusedPushes, read_shards
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.ps.checkpoint_servicer import ShardControlServicer
@@ -16,7 +16,7 @@ from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer, StatusServicer
 from shoal.ps.shard import NONFINITE_STREAK
 from shoal.ps.tcp_server import DataChannelServer
-from shoal.rpc import create_server, open_channel
+from shoal.net.rpc import create_server, open_channel
 from shoal.worker.ps_client import ShardClient
 
 FP = "layout-fp"

@@ -15,7 +15,7 @@ from shoal.chief.autoscale import AutoscalePolicy, Autoscaler
 from shoal.cli.status import collect, render
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.net.rpc import open_channel
 from shoal.worker import Trainer
 
 

@@ -3,13 +3,13 @@ import grpc
 import pytest
 import torch
 
-from shoal import frames
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.net import frames
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer
 from shoal.ps.tcp_server import DataChannelServer
-from shoal.rpc import create_server, open_channel
+from shoal.net.rpc import create_server, open_channel
 from shoal.worker.ps_client import ShardClient
 
 FP = "layout-fp"
@@ -154,7 +154,7 @@ def test_an_install_that_sends_nothing_is_answered_unavailable_without_a_warning
     """A server leaving the job may close a copy's stream before its first part: nothing arrived and
     nothing changes, so it is no refusal to warn about (a WARNING on a healthy planned leave)."""
     import logging
-    from shoal.wire import DATA_SERVICE
+    from shoal.net.wire import DATA_SERVICE
     c = cluster_factory(1, num_shards=1)
     with grpc.insecure_channel(c.servers[0].address) as ch, caplog.at_level(logging.WARNING):
         with pytest.raises(grpc.RpcError) as err:

@@ -202,7 +202,7 @@ def dead_address() -> str:
 def test_a_primary_holds_updates_for_an_unreachable_backup_until_the_view_drops_it():
     import torch
 
-    from shoal.config import JobConfig, OptimizerSpec
+    from shoal.settings.config import JobConfig, OptimizerSpec
     from shoal.proto import shoal_pb2 as pb
     from shoal.ps.host import ShardHost
 

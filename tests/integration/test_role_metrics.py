@@ -1,5 +1,5 @@
 """Each role's /metrics serves its own families only, plus shoal_build_info and shoal_job_info: an
-avg/min over a job's series is not dragged to 0 by roles that never train (shoal/metrics.py)."""
+avg/min over a job's series is not dragged to 0 by roles that never train (shoal/observe/metrics.py)."""
 import urllib.request
 
 import torch

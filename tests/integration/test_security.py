@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shoal import auth, frames, tokens
-from shoal import tcp_channel as tc
-from shoal.config import JobConfig
+from shoal.security import auth, tokens
+from shoal.net import frames
+from shoal.net import tcp_channel as tc
+from shoal.settings.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.ps.replication import install_frames
-from shoal.wire import DataStubs
+from shoal.net.wire import DataStubs
 from harness import InProcessCluster, wait_until
 from shoal.worker import Trainer
 
@@ -265,7 +266,7 @@ def test_garbage_and_huge_waits_are_invalid_argument_never_internal(secure, capl
 
 
 def test_a_message_over_the_cap_is_refused_before_it_reaches_a_servicer(monkeypatch):
-    from shoal import rpc
+    from shoal.net import rpc
 
     options = [o for o in rpc.SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     monkeypatch.setattr(rpc, "SERVER_OPTIONS", options + [("grpc.max_receive_message_length", 1 << 20)])

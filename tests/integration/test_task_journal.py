@@ -9,9 +9,9 @@ import time
 from shoal.chief.journal import Journal
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
-from shoal.convert import layout_to_pb
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.settings.config import JobConfig
+from shoal.state.convert import layout_to_pb
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.proto import shoal_pb2 as pb
 
 DATASET = pb.DatasetSpec(size=64, batch_size=8, epochs=1, batches_per_task=2)     # 4 tasks

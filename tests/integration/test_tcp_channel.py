@@ -6,15 +6,15 @@ import grpc
 import pytest
 import torch
 
-from shoal import frames
-from shoal import tcp_channel as tc
+from shoal.net import frames
+from shoal.net import tcp_channel as tc
 from shoal.codecs.sparse import TopKCodec
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer
 from shoal.ps.tcp_server import DataChannelServer
-from shoal.rpc import create_server
+from shoal.net.rpc import create_server
 from harness import wait_until
 from shoal.worker.ps_client import ShardClient
 

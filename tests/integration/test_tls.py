@@ -12,9 +12,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from shoal import auth, tls
-from shoal import tcp_channel as tc
-from shoal.config import JobConfig
+from shoal.security import auth, tls
+from shoal.net import tcp_channel as tc
+from shoal.settings.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from harness import InProcessCluster

@@ -4,17 +4,17 @@ import grpc
 import pytest
 import torch
 
-from shoal import frames
+from shoal.net import frames
 from shoal.chief.telemetry import RefusedPushes, read_shards
 from shoal.cli import records
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.ps.host import ShardHost
 from shoal.ps.servicer import DataServicer, StatusServicer
 from shoal.ps.telemetry import collector
 from shoal.ps.tcp_server import DataChannelServer
-from shoal.rpc import create_server, open_channel
+from shoal.net.rpc import create_server, open_channel
 from shoal.worker.ps_client import ShardClient
 
 FP = "layout-fp"

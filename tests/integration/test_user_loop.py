@@ -6,9 +6,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from shoal.errors import FailedPrecondition, InvalidArgument
 from harness import InProcessCluster, run_threads, wait_until
-from shoal.checkpoint import export_to_file, load_latest
+from shoal.state.checkpoint import export_to_file, load_latest
 from shoal.chief.checkpointer import CheckpointConfig, Interval
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.worker import DistributedOptimizer, DistributedSampler, Trainer
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from shoal.chief.server import ChiefServer
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 

@@ -12,7 +12,7 @@ import grpc
 
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.net.rpc import open_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "examples" / "digits.py")

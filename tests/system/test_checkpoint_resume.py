@@ -11,8 +11,8 @@ import pytest
 import torch
 from localrun import DIGITS, SHOAL, finish, start_local
 
-from shoal.layout import ShardPlan
-from shoal.checkpoint import list_checkpoints, load_latest
+from shoal.state.layout import ShardPlan
+from shoal.state.checkpoint import list_checkpoints, load_latest
 from harness import wait_until
 
 pytestmark = pytest.mark.system

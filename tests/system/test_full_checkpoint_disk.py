@@ -13,7 +13,7 @@ import pytest
 from localrun import SHOAL, start_local
 
 from harness import wait_until
-from shoal.checkpoint import load_latest
+from shoal.state.checkpoint import load_latest
 
 pytestmark = pytest.mark.system
 

@@ -19,7 +19,7 @@ from localrun import DIGITS, ROOT, SHOAL, alive
 import netns
 
 from shoal.cli import compose
-from shoal.jobfile import parse_job
+from shoal.settings.jobfile import parse_job
 
 pytestmark = pytest.mark.system
 

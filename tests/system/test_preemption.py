@@ -12,7 +12,7 @@ from localrun import DIGITS, SHOAL
 
 from harness import InProcessCluster, wait_until
 from shoal.cli.status import collect, exactly_once
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 
 pytestmark = pytest.mark.system
 

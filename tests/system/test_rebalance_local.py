@@ -13,7 +13,7 @@ from localrun import finish, job_steps, pids, start_local
 from harness import wait_until
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
-from shoal.rpc import open_channel
+from shoal.net.rpc import open_channel
 
 pytestmark = pytest.mark.system
 

@@ -7,7 +7,7 @@ import signal
 import pytest
 from localrun import finish, job_steps, pids, start_local
 
-from shoal.checkpoint import list_checkpoints
+from shoal.state.checkpoint import list_checkpoints
 from harness import wait_until
 
 pytestmark = pytest.mark.system

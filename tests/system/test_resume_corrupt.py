@@ -8,9 +8,9 @@ import pytest
 import torch
 from localrun import SHOAL, finish, start_local
 
-from shoal.checkpoint import Checkpoint, list_checkpoints, load_latest, open_checkpoint
-from shoal.config import JobConfig
-from shoal.layout import ShardPlan
+from shoal.state.checkpoint import Checkpoint, list_checkpoints, load_latest, open_checkpoint
+from shoal.settings.config import JobConfig
+from shoal.state.layout import ShardPlan
 from shoal.ps.consistency import rule_for
 from shoal.ps.shard import Shard
 

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shoal import tokens
-from shoal.config import OptimizerSpec
+from shoal.security import tokens
+from shoal.settings.config import OptimizerSpec
 from shoal.dataset import Task
 from shoal.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shoal.proto import shoal_pb2 as pb

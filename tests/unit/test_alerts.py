@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from shoal.alerts import AlertConfig, BehindDetector, TrainingAlerts, metric_key
+from shoal.observe.alerts import AlertConfig, BehindDetector, TrainingAlerts, metric_key
 from shoal.errors import InvalidArgument
 
 
@@ -81,7 +81,7 @@ def test_batch_noise_of_a_small_loss_is_not_a_spike():
 
 
 def test_the_endings_alert_count_is_the_lines_printed():
-    from shoal.alerts import count_lines
+    from shoal.observe.alerts import count_lines
 
     job = {"alert/loss_spike/worker-0": 31.0, "alert_count/loss_spike/worker-0": 3.0,
            "alert/worker_lost/worker-1": 1.0, "alert_count/worker_lost/worker-1": 1.0,

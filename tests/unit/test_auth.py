@@ -1,9 +1,9 @@
-"""The job token file and member credentials (shoal.auth), without sockets."""
+"""The job token file and member credentials (shoal.security.auth), without sockets."""
 import os
 
 import pytest
 
-from shoal import auth, tokens
+from shoal.security import auth, tokens
 from shoal.cli import security
 from shoal.errors import InvalidArgument
 

@@ -9,7 +9,7 @@ import threading
 import grpc
 import torch
 
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import ShoalError
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.ps.changes import ChangeLog, leaves_zeros_alone
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.shard import Shard

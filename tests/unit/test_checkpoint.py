@@ -5,12 +5,12 @@ import logging
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
-from shoal.layout import ModelLayout, ShardPlan
-from shoal.checkpoint import (CheckpointWriter, ShardState, export_to_file, list_checkpoints, load_latest,
+from shoal.state.layout import ModelLayout, ShardPlan
+from shoal.state.checkpoint import (CheckpointWriter, ShardState, export_to_file, list_checkpoints, load_latest,
                                  open_checkpoint, opt_state_from_flat, opt_state_to_flat)
-from shoal.optim import build_optimizer
+from shoal.state.optim import build_optimizer
 
 
 def make_model(hidden: int = 7) -> torch.nn.Sequential:
@@ -154,7 +154,7 @@ def test_damaged_checkpoint_falls_back_to_previous(tmp_path, caplog, damage, why
     t.step()
     bad = save(tmp_path, t, 2)
     damage(bad / "shard-00001.pt")
-    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint"):
         ckpt = load_latest(tmp_path)
     assert ckpt is not None and ckpt.step == 1
     assert torch.equal(ckpt.flat_values(), first)
@@ -310,7 +310,7 @@ def test_a_manifest_field_that_is_not_a_number_is_skipped_not_fatal(tmp_path, ca
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest[field] = value
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint"):
         ckpt = load_latest(tmp_path)
     assert ckpt is not None and ckpt.step == 1
     assert "ckpt-000000000002" in caplog.text

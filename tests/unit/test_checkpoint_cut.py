@@ -13,11 +13,11 @@ from shoal.chief.checkpointer import (CheckpointConfig, Checkpointer, Checkpoint
                                      resume)
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec, TaskQueue
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from shoal.layout import ModelLayout, ShardPlan, TensorSpec
+from shoal.state.layout import ModelLayout, ShardPlan, TensorSpec
 from shoal.proto import shoal_pb2 as pb
-from shoal.checkpoint import list_checkpoints, load_latest
+from shoal.state.checkpoint import list_checkpoints, load_latest
 from shoal.ps.checkpoint_servicer import ShardControlServicer
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.ledger import BatchKey, Ledger, ledger_from_extra, ledger_to_extra

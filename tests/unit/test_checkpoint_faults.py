@@ -9,12 +9,12 @@ import torch
 from test_checkpoint import SGD, Trained, _flip, save
 from test_checkpoint_cut import Job
 
-from shoal.checkpoint import list_checkpoints, load_latest, open_checkpoint
-from shoal.checkpoint_store import CheckpointWriter, ShardState, sha256_file
+from shoal.state.checkpoint import list_checkpoints, load_latest, open_checkpoint
+from shoal.state.checkpoint_store import CheckpointWriter, ShardState, sha256_file
 from shoal.dataset import DatasetSpec
 from shoal.chief.checkpointer import Interval
 from shoal.errors import FailedPrecondition
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 
 
 def every(steps: int) -> Interval:

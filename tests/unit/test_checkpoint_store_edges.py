@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.checkpoint import load_latest, open_checkpoint
-from shoal.checkpoint_store import (CheckpointWriter, ShardState, list_checkpoints, opt_state_from_flat,
+from shoal.state.checkpoint import load_latest, open_checkpoint
+from shoal.state.checkpoint_store import (CheckpointWriter, ShardState, list_checkpoints, opt_state_from_flat,
                                     opt_state_to_flat, read_failure, record_failure)
-from shoal.config import OptimizerSpec, ParamGroupSpec
+from shoal.settings.config import OptimizerSpec, ParamGroupSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
-from shoal.layout import ModelLayout, ShardPlan
+from shoal.state.layout import ModelLayout, ShardPlan
 
 LAYOUT = ModelLayout.from_module(torch.nn.Linear(2, 2))
 N = LAYOUT.numel
@@ -108,7 +108,7 @@ def test_a_checkpoint_whose_manifest_does_not_parse_fully_is_invalid_not_fatal(t
     bad = commit(CheckpointWriter(tmp_path), 1)
     manifest = json.loads((bad / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**manifest, "created": "yesterday"}))   # ValueError on open
-    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint_store"):
         commit(CheckpointWriter(tmp_path, keep=2), 2)
     assert names(tmp_path) == [ck(2), ck(1)]
     assert ck(1) in caplog.text and "not valid" in caplog.text
@@ -122,7 +122,7 @@ def test_a_validator_that_raises_value_error_marks_the_checkpoint_invalid_not_fa
         if path.name == ck(1):
             raise error
 
-    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint_store"):
         commit(CheckpointWriter(tmp_path, keep=2, validate=validate), 2)
     assert names(tmp_path) == [ck(2), ck(1)]
     assert ck(1) in caplog.text and "not valid" in caplog.text
@@ -335,7 +335,7 @@ def test_a_failure_is_recorded_under_a_root_not_created_yet(tmp_path):
 def test_recording_a_failure_where_nothing_can_be_written_is_a_warning(tmp_path, caplog):
     root = tmp_path / "a-file"
     root.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint_store"):
         record_failure(root, 3, "boom")
     assert "cannot note the failed checkpoint" in caplog.text and read_failure(root) is None
 

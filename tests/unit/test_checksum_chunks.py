@@ -9,10 +9,10 @@ import hashlib
 import pytest
 import torch
 
-from shoal.checkpoint import CheckpointWriter, ShardState, load_latest, open_checkpoint
-from shoal.checkpoint_store import sha256_file
+from shoal.state.checkpoint import CheckpointWriter, ShardState, load_latest, open_checkpoint
+from shoal.state.checkpoint_store import sha256_file
 from shoal.errors import FailedPrecondition
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 
 MIB = 1 << 20
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shoal.alerts import Alert
+from shoal.observe.alerts import Alert
 from shoal.chief.telemetry import JobEvents, RefusedPushes, Snapshot
 
 BASE = Snapshot(wall=0.0, view_epoch=5, live_workers=2, live_ps=2, queue_depth=3, tasks_done=4, tasks_total=20,
@@ -55,8 +55,8 @@ def test_a_worker_lost_without_leaving_is_one_alert_line(caplog):
 
     from shoal.chief.state import ChiefState
     from shoal.chief.telemetry import ChiefWatch
-    from shoal.config import JobConfig
-    from shoal.layout import ModelLayout, TensorSpec
+    from shoal.settings.config import JobConfig
+    from shoal.state.layout import ModelLayout, TensorSpec
 
     now = [0.0]
     state = ChiefState(JobConfig(lease_seconds=1.0), lambda: now[0])

@@ -3,7 +3,7 @@ off expiring them, for a while, rather than declare every shard lost (bench/neme
 host cut off for 4.5 s with a 1.5 s lease rolled the whole job back to its checkpoint)."""
 from shoal.chief.membership import Membership, Role
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import InvalidArgument
 
 import pytest

@@ -11,8 +11,8 @@ from shoal.chief.journal import Journal, JournalError
 from shoal.chief.membership import Counters, MemberState, Membership, Role
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec, TaskQueue
-from shoal.config import JobConfig
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.settings.config import JobConfig
+from shoal.state.layout import ModelLayout, TensorSpec
 
 LAYOUT = ModelLayout([TensorSpec("w", (4, 3)), TensorSpec("b", (3,))])
 

@@ -8,8 +8,8 @@ import random
 
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec, TaskQueue
-from shoal.config import JobConfig
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.settings.config import JobConfig
+from shoal.state.layout import ModelLayout, TensorSpec
 
 LAYOUT = ModelLayout([TensorSpec("w", (4, 3))])
 

@@ -10,8 +10,8 @@ import sys
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from shoal.checkpoint import CheckpointWriter, ShardState, load_latest
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.checkpoint import CheckpointWriter, ShardState, load_latest
+from shoal.state.layout import ModelLayout, TensorSpec
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:
@@ -26,7 +26,7 @@ def test_the_chief_command_and_its_server_import_no_torch():
 
 
 def test_the_check_bites_when_torch_is_imported():
-    r = _without_torch("import shoal.chief.server\nimport shoal.layout, torch")
+    r = _without_torch("import shoal.chief.server\nimport shoal.state.layout, torch")
     assert r.returncode != 0 and "torch was imported" in r.stderr
 
 
@@ -38,7 +38,7 @@ def test_a_chief_resuming_opens_and_validates_a_checkpoint_without_torch(tmp_pat
                                     "nesterov": 0.0}, {"state": {}, "param_groups": [{"params": [0]}]}, 5))
     pending.commit(layout, 1, {"tasks": None})
     assert load_latest(tmp_path).step == 7
-    r = _without_torch(f"from shoal.checkpoint import load_latest\nfrom shoal.checkpoint_store import "
+    r = _without_torch(f"from shoal.state.checkpoint import load_latest\nfrom shoal.state.checkpoint_store import "
                        f"CheckpointWriter\nc = load_latest({str(tmp_path)!r})\nassert c.step == 7 and "
                        f"c.versions == {{0: 5}}, c\nCheckpointWriter({str(tmp_path)!r}).prune()")
     assert r.returncode == 0 and "no torch" in r.stdout, r.stdout + r.stderr

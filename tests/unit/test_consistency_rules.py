@@ -6,7 +6,7 @@ in a rule fails here by name.
 """
 import pytest
 
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import InvalidArgument
 from shoal.ps.consistency import Action, AsyncRule, PushContext, Rule, SSPRule, SyncRule, rule_for
 

@@ -62,8 +62,8 @@ def test_the_site_builds_strict_with_every_page(site):
 
 def test_the_references_are_generated_from_the_code(site):
     from shoal.cli.main import build_parser
-    from shoal.jobfile import KEYS
-    from shoal.metrics import metric_names
+    from shoal.settings.jobfile import KEYS
+    from shoal.observe.metrics import metric_names
 
     cli = _text(site / "reference/cli.html")
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal import frames
-from shoal.config import JobConfig, from_sources
+from shoal.net import frames
+from shoal.settings.config import JobConfig, from_sources
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 

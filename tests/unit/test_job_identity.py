@@ -11,7 +11,7 @@ from shoal.chief.server import ChiefServer
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
 from shoal.chief_client import ChiefClient
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import EXIT_REFUSED
 from shoal.proto import shoal_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""The job file (shoal/jobfile.py) and how the CLI merges it with SHOAL_* variables and flags."""
+"""The job file (shoal/settings/jobfile.py) and how the CLI merges it with SHOAL_* variables and flags."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,7 @@ import yaml
 from shoal.cli.main import build_parser, main
 from shoal.cli.sources import apply_sources, job_config
 from shoal.errors import InvalidArgument
-from shoal.jobfile import load_job, parse_job
+from shoal.settings.jobfile import load_job, parse_job
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "job.yaml"
 

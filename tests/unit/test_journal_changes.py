@@ -10,9 +10,9 @@ import pytest
 from shoal.chief.journal import Journal, JournalError
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import ShoalError
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.members import Counters, Role
 
 LAYOUT = ModelLayout([TensorSpec("w", (4, 3))])

@@ -186,7 +186,7 @@ def test_a_task_op_that_does_not_fit_the_queue_is_unreadable_naming_the_file(tmp
     """Only a corrupt journal holds such an op; the chief must say so ("unreadable, move it away or
     --fresh"), not stop on the queue's own error."""
     from shoal.chief.state import ChiefState
-    from shoal.config import JobConfig
+    from shoal.settings.config import JobConfig
 
     path = tmp_path / "chief.db"
     j = Journal(path)

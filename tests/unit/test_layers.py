@@ -42,7 +42,7 @@ def test_the_core_importing_a_command_is_refused(tmp_path):
     (root / "shoal" / "wire.py").write_text((root / "shoal" / "wire.py").read_text()
                                            + "\nfrom shoal.cli import status  # crossing\n")
     r = _lint(root)
-    assert r.returncode == 1 and "shoal.wire -> shoal.cli" in r.stdout
+    assert r.returncode == 1 and "shoal.net.wire -> shoal.cli" in r.stdout
 
 
 def test_a_core_module_missing_from_the_layers_is_refused(tmp_path):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from shoal.errors import InvalidArgument
-from shoal.layout import ModelLayout, ShardPlan, TensorSpec
+from shoal.state.layout import ModelLayout, ShardPlan, TensorSpec
 
 
 def model():

@@ -61,7 +61,7 @@ def status(shards, epochs=2, per_epoch=4):
 
 
 def shard_from(ledger: Ledger):
-    """What ``shoal status`` collects for one shard (see shoal/cli/status.py collect)."""
+    """What ``shoal status`` collects for one shard (see cli/status.py collect)."""
     return {"ledger": [{"epoch": e.epoch, "batches": e.applied, "max_count": e.max_count}
                        for e in ledger.summary()]}
 

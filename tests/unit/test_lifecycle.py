@@ -6,9 +6,9 @@ import pytest
 from shoal.chief.lifecycle import FINAL_CHECKPOINT_ATTEMPTS, FinalCheckpoint, JobLifecycle, Observed, Phase
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import EXIT_FAILED, EXIT_ROLLBACK, FailedPrecondition, JOB_FINISHED
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 
 
 class Clock:

@@ -2,8 +2,8 @@
 import logging
 
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
-from shoal.loglines import log_burst
+from shoal.settings.config import JobConfig
+from shoal.observe.loglines import log_burst
 
 
 def records(caplog, lines, **kw):
@@ -56,7 +56,7 @@ def test_a_chief_placing_many_shards_and_a_server_leaving_with_them_say_so_in_on
 def test_a_server_leaving_with_many_copies_says_so_in_one_line(caplog):
     import torch
 
-    from shoal.config import OptimizerSpec
+    from shoal.settings.config import OptimizerSpec
     from shoal.proto import shoal_pb2 as pb
     from shoal.ps.host import ShardHost
 

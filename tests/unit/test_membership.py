@@ -4,9 +4,9 @@ import pytest
 from shoal.chief.membership import MemberState, Membership, Role
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import FailedPrecondition
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 
 LAYOUT = ModelLayout([TensorSpec("w", (4, 3)), TensorSpec("b", (3,))])
 
@@ -194,7 +194,7 @@ def test_stragglers_are_flagged_against_the_median(clock):
 
 
 def test_task_tokens_bind_holder_and_attempt(clock):
-    from shoal import tokens
+    from shoal.security import tokens
     s = ChiefState(JobConfig(), clock)
     a = s.join_worker(LAYOUT)
     t = s.take_tasks(a.member_id, DatasetSpec(size=40, batch_size=10), 1)[0][0]

@@ -3,7 +3,7 @@ adds up to the same steps."""
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.shard import Shard
 from shoal.worker.momentum import LocalMomentum, server_optimizer

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from shoal import convert
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.state import convert
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.shard import NONFINITE_STREAK, Shard

@@ -8,7 +8,7 @@ import torch
 
 from shoal.cli.progress import result_lines
 from shoal.cli.records import batches_skipped, judge
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.ledger import BatchKey
 from shoal.ps.shard import Shard
@@ -66,7 +66,7 @@ def test_the_summary_says_yes_with_the_skipped_count():
 
 def test_a_worker_whose_push_the_job_stops_for_exits_refused_naming_its_step():
     from shoal.errors import EXIT_REFUSED, Refused
-    from shoal.tcp_channel import ChannelError
+    from shoal.net.tcp_channel import ChannelError
     from shoal.worker.exchange import ShardExchange
 
     class Fake(ShardExchange):

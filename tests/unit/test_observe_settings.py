@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from shoal.alerts import AlertConfig
+from shoal.observe.alerts import AlertConfig
 from shoal.cli import observe
 from shoal.errors import InvalidArgument
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.dataset import Task
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import SyncRule

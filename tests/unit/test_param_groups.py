@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import InvalidArgument
-from shoal.layout import ModelLayout, ShardPlan
-from shoal.optim import numeric_hparams
+from shoal.state.layout import ModelLayout, ShardPlan
+from shoal.state.optim import numeric_hparams
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.shard import Shard
 from shoal.worker.optimizer import spec_from_torch

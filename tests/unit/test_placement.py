@@ -17,7 +17,7 @@ from conftest import FakeClock
 from shoal.chief import placement
 from shoal.chief.journal import Journal
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.members import Role
 
 LEASE = 3.0

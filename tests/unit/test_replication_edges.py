@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from harness import wait_until
-from shoal import frames
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.net import frames
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import HANDED_OVER, FailedPrecondition, ShoalError, Unavailable
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule

@@ -1,11 +1,11 @@
-"""The servicer boundary (``shoal.rpc.grpc_errors``): which failures become which status, and which are quiet."""
+"""The servicer boundary (``shoal.net.rpc.grpc_errors``): which failures become which status, and which are quiet."""
 import logging
 
 import grpc
 import pytest
 
 from shoal.errors import InvalidArgument
-from shoal.rpc import grpc_errors
+from shoal.net.rpc import grpc_errors
 
 
 class Aborted(Exception):

@@ -1,4 +1,4 @@
-"""The run summary's exactly-once verdict and the exit it leads to (shoal/cli/records.py ``judge``,
+"""The run summary's exactly-once verdict and the exit it leads to (cli/records.py ``judge``,
 ``violation``): a violation a ledger shows fails the run; records that could not be read leave it
 unknown, never a claimed violation; a job stopped before its data was done is not exactly-once but
 violated nothing."""

@@ -13,10 +13,10 @@ import pytest
 from harness import wait_until
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
-from shoal.config import JobConfig
-from shoal.convert import layout_to_pb
+from shoal.settings.config import JobConfig
+from shoal.state.convert import layout_to_pb
 from shoal.dataset import DatasetSpec
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.data import TaskFeed
 from shoal.worker.sampler import DistributedSampler

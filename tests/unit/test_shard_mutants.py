@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import HANDED_OVER, NOT_PRIMARY, FailedPrecondition, InvalidArgument, ResourceExhausted
 from shoal.ps import shard as shard_module
 from shoal.ps.consistency import AsyncRule, SSPRule, SyncRule

@@ -4,8 +4,8 @@ import re
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
-from shoal.layout import ModelLayout, ShardPlan
+from shoal.settings.config import OptimizerSpec
+from shoal.state.layout import ModelLayout, ShardPlan
 from shoal.ps.consistency import AsyncRule
 from shoal.ps.shard import Shard
 

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import DeadlineExceeded, InvalidArgument
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.shard import Shard

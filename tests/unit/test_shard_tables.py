@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.config import OptimizerSpec
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.shard import Shard
-from shoal.tables import partition_of
+from shoal.state.tables import partition_of
 
 SGD = OptimizerSpec("sgd", {"lr": 1.0})
 DIM = 3

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from shoal import codecs, frames
-from shoal.config import OptimizerSpec
-from shoal.optim import ShardOptimizer
+from shoal import codecs
+from shoal.net import frames
+from shoal.settings.config import OptimizerSpec
+from shoal.state.optim import ShardOptimizer
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps import changes
 from shoal.ps.consistency import AsyncRule, SyncRule

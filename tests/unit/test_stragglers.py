@@ -6,9 +6,9 @@ import pytest
 from shoal.chief.state import ChiefState
 from shoal.chief.stragglers import HOLD, MIN_ROUNDS, MIN_STEPS, RoundBlame, StragglerDetector, StragglerPolicy
 from shoal.chief.tasks import DatasetSpec
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.errors import InvalidArgument
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.members import Counters
 from shoal.ps.round_timing import RoundTimer
 

@@ -10,7 +10,7 @@ import pytest
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.ps.tables import RowTable, TableSnapshot, TableSpec, initial_rows
 from shoal.ps.tables.idmap import IdMap
-from shoal.tables import partition_of
+from shoal.state.tables import partition_of
 
 
 def grads(n, dim=4, seed=0, scale=1.0):
@@ -330,7 +330,7 @@ def test_the_tables_do_not_import_torch():
     """Pure state: numpy only (a server's table partitions need no torch)."""
     import subprocess
     import sys
-    code = ("import sys, numpy as np; import shoal.ps.tables as T; from shoal.tables import partition_of; "
+    code = ("import sys, numpy as np; import shoal.ps.tables as T; from shoal.state.tables import partition_of; "
             "t = T.RowTable(T.TableSpec('x', 4, None, 'adam'), 1, 2); ids = np.arange(50); "
             "mine = ids[partition_of(ids, 2) == 1]; t.apply(mine, np.ones((mine.size, 4), np.float32), 1); "
             "T.TableSnapshot.from_bytes(t.snapshot(None).to_bytes()); print('torch' in sys.modules)")

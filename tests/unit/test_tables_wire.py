@@ -1,4 +1,4 @@
-"""shoal/tables.py: the row placement and the row blobs worker and server agree on, and an update's rows
+"""shoal/state/tables.py: the row placement and the row blobs worker and server agree on, and an update's rows
 on their way to the backup (ps/update_wire.py)."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from shoal import frames
+from shoal.net import frames
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.update import Update
 from shoal.ps.update_wire import Incoming, update_frames, update_from_frames, update_message
-from shoal.tables import (decode_rows, encode_rows, mix64, pack_rows, partition_of, split_by_shard, sum_rows,
+from shoal.state.tables import (decode_rows, encode_rows, mix64, pack_rows, partition_of, split_by_shard, sum_rows,
                           unpack_rows)
 
 

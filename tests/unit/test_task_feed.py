@@ -7,9 +7,9 @@ import pytest
 from shoal.chief.servicer import ChiefServicer
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec
-from shoal.config import JobConfig
-from shoal.convert import layout_to_pb
-from shoal.layout import ModelLayout, TensorSpec
+from shoal.settings.config import JobConfig
+from shoal.state.convert import layout_to_pb
+from shoal.state.layout import ModelLayout, TensorSpec
 from shoal.proto import shoal_pb2 as pb
 from shoal.worker.data import TaskFeed
 

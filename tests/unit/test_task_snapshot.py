@@ -150,7 +150,7 @@ def test_a_count_of_untouched_tasks_the_epoch_cannot_have_is_refused(fresh):
 def test_a_journal_whose_snapshot_has_a_corrupt_bitmap_is_unreadable_naming_the_file(tmp_path, clock):
     from shoal.chief.server import ChiefServer
     from shoal.chief.state import ChiefState
-    from shoal.config import JobConfig
+    from shoal.settings.config import JobConfig
     from tests.unit.test_journal_changes import LAYOUT, SPEC
 
     s = ChiefState(JobConfig(num_shards=1), clock)

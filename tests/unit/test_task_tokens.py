@@ -1,5 +1,5 @@
 """Task tokens: what they bind, and how strong the secret and the tag are."""
-from shoal import tokens
+from shoal.security import tokens
 
 FIELDS = dict(member="worker-1", task_id=7, attempt=2, epoch=1, start=64, stop=128)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shoal import tfconfig
+from shoal.settings import tfconfig
 from shoal.cli.main import build_parser, main
 from shoal.cli.sources import apply_sources, start_argv
 from shoal.errors import InvalidArgument

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from shoal.config import JobConfig, OptimizerSpec
+from shoal.settings.config import JobConfig, OptimizerSpec
 from shoal.errors import InvalidArgument, PermissionDenied
 from shoal.ps.consistency import AsyncRule, SyncRule
 from shoal.ps.guard import HparamBounds, NormGuard, UpdateGuard
@@ -196,7 +196,7 @@ def test_guard_settings_are_validated_with_the_bad_value():
 
 
 def test_the_guard_settings_travel_in_the_view():
-    from shoal import convert
+    from shoal.state import convert
 
     job = JobConfig(lr_factor=30, grad_norm_factor=0, grad_norm_policy="clip", grad_norm_warmup=5,
                     expel_after=0, require_batch=True)
@@ -226,7 +226,7 @@ def test_status_and_the_run_summary_say_what_the_guard_did():
 # ------------------------------------------------------------ saving only what a step could spoil
 
 def test_a_bounded_step_is_not_saved_and_an_unbounded_one_is():
-    from shoal.optim import ShardOptimizer, magnitude
+    from shoal.state.optim import ShardOptimizer, magnitude
 
     for spec in (ADAM, SGD, OptimizerSpec("adamw", {"lr": 0.01}), OptimizerSpec("sgd", {"lr": 0.1, "momentum": 0.9})):
         opt = ShardOptimizer(torch.linspace(-1, 1, 8), spec)
@@ -237,7 +237,7 @@ def test_a_bounded_step_is_not_saved_and_an_unbounded_one_is():
         assert opt.needs_save(3e38) and opt.needs_save(1e13)
         opt.set_hparams({"0.lr": 1e30})
         assert opt.needs_save(magnitude(g))             # a growth no bound covers (a backup's update)
-    from shoal.config import ParamGroupSpec
+    from shoal.settings.config import ParamGroupSpec
 
     rms = ShardOptimizer(torch.ones(8), OptimizerSpec("RMSprop", groups=(ParamGroupSpec({"lr": 0.01}, ((0, 8),)),)))
     rms.step(torch.ones(8))
@@ -247,7 +247,7 @@ def test_a_bounded_step_is_not_saved_and_an_unbounded_one_is():
 def test_a_step_the_bound_lets_go_unsaved_stays_finite():
     """The bound holds at its edges: inputs up to 1e12, learning rates up to 1e7, decay up to 999, eps down
     to 1e-9, every registered optimizer; and it does let most ordinary steps go unsaved."""
-    from shoal.optim import ShardOptimizer, magnitude
+    from shoal.state.optim import ShardOptimizer, magnitude
 
     unsaved = 0
     for seed in range(60):

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from shoal import codecs, frames
-from shoal.config import OptimizerSpec
+from shoal import codecs
+from shoal.net import frames
+from shoal.settings.config import OptimizerSpec
 from shoal.errors import InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 from shoal.ps.consistency import AsyncRule, SyncRule

@@ -15,7 +15,7 @@ from shoal.chief import views as views_mod
 from shoal.chief.membership import Membership, Role
 from shoal.chief.state import ChiefState
 from shoal.chief.views import ViewBoard
-from shoal.config import JobConfig
+from shoal.settings.config import JobConfig
 from shoal.proto import shoal_pb2 as pb
 
 LEASE = 3.0

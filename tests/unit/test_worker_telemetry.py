@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from harness import wait_until
-from shoal.alerts import AlertConfig
+from shoal.observe.alerts import AlertConfig
 from shoal.worker.telemetry import NormSampler, StepClock, StepRecord, WorkerTelemetry
 
 

@@ -1,0 +1,1 @@
+"""The wire: gRPC helpers, the TCP data channel and its client, frames, tensor <-> bytes, keepalive."""

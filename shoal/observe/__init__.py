@@ -1,0 +1,1 @@
+"""What a person sees: Prometheus metrics, alerts, folded log lines."""

@@ -1,0 +1,1 @@
+"""Who may call: job tokens, signed credentials, TLS."""

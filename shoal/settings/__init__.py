@@ -1,0 +1,1 @@
+"""One place for settings: the job's config dataclasses, the job file, TF_CONFIG."""
