@@ -12,6 +12,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==$(sed -
 
 COPY pyproject.toml README.md ./
 COPY shoal shoal
+COPY cli cli
 COPY chief chief
 COPY ps ps
 COPY worker worker

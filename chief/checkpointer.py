@@ -54,7 +54,8 @@ from shoal.state.layout import ModelLayout, ShardPlan
 from shoal.proto import shoal_pb2 as pb
 from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.state.checkpoint import Checkpoint, load_latest
-from shoal.state.checkpoint_store import CheckpointWriter, record_failure
+from shoal.state.checkpoint_failures import record_failure
+from shoal.state.checkpoint_store import CheckpointWriter
 from shoal.security import auth
 from shoal.net.rpc import open_channel
 

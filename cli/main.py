@@ -328,7 +328,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from shoal.state.checkpoint import export_checkpoint
-    from shoal.state.checkpoint_store import read_failure
+    from shoal.state.checkpoint_failures import read_failure
 
     from shoal.cli.export_check import check_fresh, job_record
     from shoal.cli.tables_export import export_tables
@@ -517,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_commands(sub, commands)
     for module in (compose, k8s, alert_rules):        # deployment generators
         module.add_command(sub, commands)
+    parser.set_defaults(run_argv=main)       # shoal start runs the role TF_CONFIG names through main again
     return parser
 
 

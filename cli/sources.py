@@ -155,12 +155,11 @@ def start_argv(tf: tfconfig.TFConfig, config: str | None, rest: list[str]) -> li
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from shoal.cli.main import main
-
+    """Runs the role TF_CONFIG names through ``args.run_argv`` (the CLI's ``main``, set by its parser)."""
     tf = tfconfig.from_env()
     if tf is None:
         raise ShoalError(f"shoal start needs {tfconfig.ENV} (the cluster spec and this task's type and index)")
-    return main(start_argv(tf, args.config, [*([args.script] if args.script else []), *args.script_args]))
+    return args.run_argv(start_argv(tf, args.config, [*([args.script] if args.script else []), *args.script_args]))
 
 
 def add_commands(sub: Any, commands: dict[str, argparse.ArgumentParser]) -> None:

@@ -23,7 +23,7 @@ from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.proto import shoal_pb2 as pb
 
 if TYPE_CHECKING:
-    from shoal.worker.exchange import BatchContext
+    from shoal.worker.batch import BatchContext
 
 Group = tuple["BatchContext", ...]
 

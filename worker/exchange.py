@@ -25,27 +25,13 @@ from shoal.errors import Refused
 from shoal.proto import shoal_pb2 as pb
 from shoal.state.tables import ROWS_CODEC
 from shoal.worker import accumulate
+from shoal.worker.batch import BatchContext  # noqa: F401  (re-exported: where the loop's batch is named)
 from shoal.worker.pipeline import Pipeline, push_order, window_from, worker_rank
 from shoal.worker.ps_client import is_uninitialised
 from shoal.worker.routes import is_failover, went_back
 
 log = logging.getLogger("shoal.worker.trainer")      # one logger for the worker's lines, as before
 EARLY_WAIT_S = 1.0     # sync, pulls started before the step's last push is answered: the ps's wait per turn
-
-
-@dataclass(frozen=True)
-class BatchContext:
-    """The batch the training loop is on: what a push says about its data."""
-
-    task: Task
-    token: bytes
-    start: int
-    stop: int
-
-    def header_fields(self) -> dict:
-        t = self.task
-        return dict(has_batch=True, task_id=t.task_id, attempt=t.attempt, token=self.token, data_epoch=t.epoch,
-                    task_start=t.start, task_stop=t.stop, batch_start=self.start, batch_stop=self.stop)
 
 
 @dataclass(frozen=True)

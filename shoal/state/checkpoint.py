@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from shoal.errors import FailedPrecondition, InvalidArgument, NotFound
 from shoal.state.layout import ModelLayout, ShardPlan, TensorSpec
 from shoal.state.checkpoint_store import (FORMAT, MANIFEST, CheckpointWriter, PendingCheckpoint, ShardState,
+                                       validate_checkpoint,
                                        check_tiling, list_checkpoints, opt_state_from_flat, opt_state_to_flat,
                                        sha256_file)
 
@@ -204,71 +205,8 @@ def _merge_scalars(pieces: list[Piece], start: int, stop: int) -> dict[str, floa
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Opens and fully validates one checkpoint directory; FailedPrecondition says what is wrong."""
     path = Path(path)
-    manifest = _read_manifest(path)
-    layout = _layout_from(path, manifest)
-    entries = _shard_table(path, manifest, layout)
-    for entry in entries:
-        _verify_file(path, entry)
-    try:
-        return Checkpoint(path, {**manifest, "shards": entries}, layout)
-    except (TypeError, ValueError) as exc:     # e.g. a step or creation time that is not a number
-        raise FailedPrecondition(f"checkpoint {path}: bad field in {MANIFEST}: {exc}") from exc
-
-
-def _shard_table(path: Path, manifest: dict[str, Any], layout: ModelLayout) -> list[dict[str, Any]]:
-    """The manifest's shard entries, sorted by shard, checked to tile the model."""
-    entries = manifest["shards"]
-    keys = ("shard", "start", "stop", "file", "sha256", "bytes", "version")
-    try:
-        if not all(isinstance(e, dict) and all(k in e for k in keys) for e in entries):
-            raise InvalidArgument(f"every entry needs {', '.join(keys)}")
-        if len(entries) != int(manifest["num_shards"]):
-            raise InvalidArgument(f"{len(entries)} entries for {manifest['num_shards']} shard(s)")
-        check_tiling({int(e["shard"]): (int(e["start"]), int(e["stop"])) for e in entries},
-                     int(manifest["num_shards"]), layout.numel)
-    except (InvalidArgument, TypeError, ValueError) as exc:
-        raise FailedPrecondition(f"checkpoint {path}: bad shard table in {MANIFEST}: {exc}") from exc
-    return sorted(entries, key=lambda e: int(e["shard"]))
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise FailedPrecondition(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
-    required = ("format", "step", "num_shards", "layout", "layout_fingerprint", "shards", "meta", "created")
-    if not isinstance(manifest, dict) or any(k not in manifest for k in required):
-        raise FailedPrecondition(f"checkpoint {path}: {MANIFEST} lacks one of {', '.join(required)}")
-    if manifest["format"] != FORMAT:
-        raise FailedPrecondition(f"checkpoint {path}: format {manifest['format']!r} is not {FORMAT}")
-    return manifest
-
-
-def _layout_from(path: Path, manifest: dict[str, Any]) -> ModelLayout:
-    try:
-        layout = ModelLayout(TensorSpec(str(n), tuple(int(d) for d in shape), str(dt))
-                             for n, shape, dt in manifest["layout"])
-    except (InvalidArgument, TypeError, ValueError) as exc:
-        raise FailedPrecondition(f"checkpoint {path}: bad layout in {MANIFEST}: {exc}") from exc
-    if layout.fingerprint != manifest["layout_fingerprint"]:
-        raise FailedPrecondition(f"checkpoint {path}: layout fingerprint {manifest['layout_fingerprint']} "
-                                 f"does not match its layout ({layout.fingerprint})")
-    return layout
-
-
-def _verify_file(ckpt: Path, entry: dict[str, Any]) -> None:
-    name = str(entry.get("file", ""))
-    file = ckpt / name
-    if os.path.basename(name) != name or not file.is_file():
-        raise FailedPrecondition(f"checkpoint {ckpt}: shard file {name!r} is missing")
-    size = file.stat().st_size
-    if size != entry.get("bytes"):
-        raise FailedPrecondition(f"checkpoint {ckpt}: {name} has {size} bytes, manifest says {entry.get('bytes')} "
-                                 f"(truncated?)")
-    digest = sha256_file(file)
-    if digest != entry.get("sha256"):
-        raise FailedPrecondition(f"checkpoint {ckpt}: {name} sha256 {digest[:12]}... does not match the "
-                                 f"manifest ({str(entry.get('sha256'))[:12]}...): corrupt")
+    manifest, layout = validate_checkpoint(path)
+    return Checkpoint(path, manifest, layout)
 
 
 def load_latest(root: str | Path) -> Checkpoint | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from shoal.settings.config import OptimizerSpec
 from shoal.errors import FailedPrecondition, InvalidArgument, ShoalError
-from shoal.state.layout import ModelLayout
+from shoal.state.layout import ModelLayout, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -302,11 +302,84 @@ def _validate_state(state: ShardState) -> None:
         raise InvalidArgument(f"shard {state.shard}: {exc}") from None
 
 
+# ---------------------------------------------------------------- validation (the read side builds on it)
+
+def validate_checkpoint(path: Path) -> tuple[dict[str, Any], ModelLayout]:
+    """The full check of a checkpoint directory (manifest, layout, shard table, every file's size and
+    sha256); returns its manifest (shard entries sorted) and layout. FailedPrecondition says what is wrong."""
+    manifest = _read_manifest(path)
+    layout = _layout_from(path, manifest)
+    entries = _shard_table(path, manifest, layout)
+    for entry in entries:
+        _verify_file(path, entry)
+    try:        # the fields a Checkpoint reads as numbers (shoal.state.checkpoint)
+        int(manifest["step"]), int(manifest["num_shards"]), float(manifest["created"])
+        if not isinstance(manifest["meta"], dict):
+            raise TypeError(f"meta is {type(manifest['meta']).__name__}, not an object")
+    except (TypeError, ValueError) as exc:     # e.g. a step or creation time that is not a number
+        raise FailedPrecondition(f"checkpoint {path}: bad field in {MANIFEST}: {exc}") from exc
+    return {**manifest, "shards": entries}, layout
+
+
 def _open_fully(path: Path) -> None:
     """The read side's full validation (manifest, layout, every file's size and sha256)."""
-    from shoal.state.checkpoint import open_checkpoint   # the read side builds on this module
+    validate_checkpoint(path)
 
-    open_checkpoint(path)
+
+def _shard_table(path: Path, manifest: dict[str, Any], layout: ModelLayout) -> list[dict[str, Any]]:
+    """The manifest's shard entries, sorted by shard, checked to tile the model."""
+    entries = manifest["shards"]
+    keys = ("shard", "start", "stop", "file", "sha256", "bytes", "version")
+    try:
+        if not all(isinstance(e, dict) and all(k in e for k in keys) for e in entries):
+            raise InvalidArgument(f"every entry needs {', '.join(keys)}")
+        if len(entries) != int(manifest["num_shards"]):
+            raise InvalidArgument(f"{len(entries)} entries for {manifest['num_shards']} shard(s)")
+        check_tiling({int(e["shard"]): (int(e["start"]), int(e["stop"])) for e in entries},
+                     int(manifest["num_shards"]), layout.numel)
+    except (InvalidArgument, TypeError, ValueError) as exc:
+        raise FailedPrecondition(f"checkpoint {path}: bad shard table in {MANIFEST}: {exc}") from exc
+    return sorted(entries, key=lambda e: int(e["shard"]))
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
+    required = ("format", "step", "num_shards", "layout", "layout_fingerprint", "shards", "meta", "created")
+    if not isinstance(manifest, dict) or any(k not in manifest for k in required):
+        raise FailedPrecondition(f"checkpoint {path}: {MANIFEST} lacks one of {', '.join(required)}")
+    if manifest["format"] != FORMAT:
+        raise FailedPrecondition(f"checkpoint {path}: format {manifest['format']!r} is not {FORMAT}")
+    return manifest
+
+
+def _layout_from(path: Path, manifest: dict[str, Any]) -> ModelLayout:
+    try:
+        layout = ModelLayout(TensorSpec(str(n), tuple(int(d) for d in shape), str(dt))
+                             for n, shape, dt in manifest["layout"])
+    except (InvalidArgument, TypeError, ValueError) as exc:
+        raise FailedPrecondition(f"checkpoint {path}: bad layout in {MANIFEST}: {exc}") from exc
+    if layout.fingerprint != manifest["layout_fingerprint"]:
+        raise FailedPrecondition(f"checkpoint {path}: layout fingerprint {manifest['layout_fingerprint']} "
+                                 f"does not match its layout ({layout.fingerprint})")
+    return layout
+
+
+def _verify_file(ckpt: Path, entry: dict[str, Any]) -> None:
+    name = str(entry.get("file", ""))
+    file = ckpt / name
+    if os.path.basename(name) != name or not file.is_file():
+        raise FailedPrecondition(f"checkpoint {ckpt}: shard file {name!r} is missing")
+    size = file.stat().st_size
+    if size != entry.get("bytes"):
+        raise FailedPrecondition(f"checkpoint {ckpt}: {name} has {size} bytes, manifest says {entry.get('bytes')} "
+                                 f"(truncated?)")
+    digest = sha256_file(file)
+    if digest != entry.get("sha256"):
+        raise FailedPrecondition(f"checkpoint {ckpt}: {name} sha256 {digest[:12]}... does not match the "
+                                 f"manifest ({str(entry.get('sha256'))[:12]}...): corrupt")
 
 
 class CheckpointWriter:
@@ -413,45 +486,3 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------- failed checkpoints
-
-FAILURES = "failed.json"     # under the root: the newest failed checkpoint attempt, for `shoal export`
-
-
-def record_failure(root: str | Path, step: int, error: str) -> None:
-    """Notes under ``root`` that checkpoint ``step`` failed (``error``), counting failures since the newest
-    success. Best effort: a full disk may refuse this small file too (the chief's status still counts it)."""
-    root = Path(root)
-    previous = read_failure(root) or {}
-    newest = list_checkpoints(root)
-    if newest and previous:
-        done, failed = _step_of(newest[0]), previous["step"]
-        at = previous.get("at")
-        at = at if isinstance(at, (int, float)) else float("inf")        # unknown: the failure stays the later
-        # a checkpoint succeeded since: count afresh (at the failed step itself, the times say which came first)
-        if done > failed or (done == failed and _created(newest[0]) > at):
-            previous = {}
-    record = {"step": int(step), "error": error, "at": time.time(), "failures": int(previous.get("failures", 0)) + 1}
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{FAILURES}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, root / FAILURES)
-    except OSError as exc:
-        log.warning("cannot note the failed checkpoint under %s either (%s)", root, exc)
-
-
-def _created(path: Path) -> float:
-    """The manifest's creation time (-inf when it cannot be read: then it never counts as newer)."""
-    try:
-        return float(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["created"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return float("-inf")
-
-
-def read_failure(root: str | Path) -> dict[str, Any] | None:
-    """The newest failed attempt noted under ``root`` (``step``, ``error``, ``failures``), or None."""
-    try:
-        record = json.loads((Path(root) / FAILURES).read_text())
-        return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
-    except (OSError, ValueError):
-        return None

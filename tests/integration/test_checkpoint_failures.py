@@ -4,7 +4,8 @@ import errno
 
 from shoal import cli
 from shoal.state.checkpoint import load_latest
-from shoal.state.checkpoint_store import CheckpointWriter, read_failure, record_failure
+from shoal.state.checkpoint_failures import read_failure, record_failure
+from shoal.state.checkpoint_store import CheckpointWriter
 from shoal.cli.status import collect, render
 from shoal.worker import Trainer
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from shoal.state.checkpoint import load_latest, open_checkpoint
+from shoal.state.checkpoint_failures import read_failure, record_failure
 from shoal.state.checkpoint_store import (CheckpointWriter, ShardState, list_checkpoints, opt_state_from_flat,
-                                    opt_state_to_flat, read_failure, record_failure)
+                                          opt_state_to_flat)
 from shoal.settings.config import OptimizerSpec, ParamGroupSpec
 from shoal.errors import FailedPrecondition, InvalidArgument
 from shoal.state.layout import ModelLayout, ShardPlan
@@ -335,7 +336,7 @@ def test_a_failure_is_recorded_under_a_root_not_created_yet(tmp_path):
 def test_recording_a_failure_where_nothing_can_be_written_is_a_warning(tmp_path, caplog):
     root = tmp_path / "a-file"
     root.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="shoal.state.checkpoint_failures"):
         record_failure(root, 3, "boom")
     assert "cannot note the failed checkpoint" in caplog.text and read_failure(root) is None
 

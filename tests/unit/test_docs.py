@@ -91,7 +91,7 @@ def test_bench_results_are_the_site_benchmarks_page(site):
 def _broken_tree(tmp_path: Path, change) -> Path:
     """A copy of the site's inputs with one thing broken; returns its mkdocs.yml."""
     tree = tmp_path / "tree"
-    for name in ("docs", "scripts", "bench", "shoal", "worker", "chief", "ps", "proto"):
+    for name in ("docs", "scripts", "bench", "shoal", "cli", "worker", "chief", "ps", "proto"):
         shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "chief_scale"),
                         symlinks=True)
     for name in ("mkdocs.yml", "SECURITY.md"):

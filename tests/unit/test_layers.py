@@ -17,7 +17,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 
 def _copy_project(dest: Path) -> Path:
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
-    for folder in ("shoal", "proto", "ps", "worker", "chief"):
+    for folder in ("shoal", "cli", "proto", "ps", "worker", "chief"):
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
@@ -39,7 +39,7 @@ def test_a_role_importing_another_role_is_refused_with_the_line(tmp_path):
 
 def test_the_core_importing_a_command_is_refused(tmp_path):
     root = _copy_project(tmp_path)
-    (root / "shoal" / "wire.py").write_text((root / "shoal" / "wire.py").read_text()
+    (root / "shoal" / "net" / "wire.py").write_text((root / "shoal" / "net" / "wire.py").read_text()
                                            + "\nfrom shoal.cli import status  # crossing\n")
     r = _lint(root)
     assert r.returncode == 1 and "shoal.net.wire -> shoal.cli" in r.stdout
