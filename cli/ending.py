@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TYPE_CHECKING
 
 import grpc
 
@@ -22,7 +22,24 @@ from shoal.proto import shoal_pb2_grpc as pb_grpc
 from shoal.net.rpc import open_channel
 
 if TYPE_CHECKING:
-    from shoal.cli.local import LocalCluster
+    from shoal.cli.local_config import LocalConfig
+
+
+class LocalCluster(Protocol):
+    """What the ending reads of a running ``shoal local`` cluster (``shoal.cli.local.LocalCluster``)."""
+
+    cfg: "LocalConfig"
+    chief_address: str
+    rollbacks: int
+
+    def job_stats(self, *args: Any, **kwargs: Any) -> Any: ...
+    def shard_report(self, *args: Any, **kwargs: Any) -> Any: ...
+    def replica_report(self, *args: Any, **kwargs: Any) -> Any: ...
+    def supervise(self, *args: Any, **kwargs: Any) -> Any: ...
+    def wait_workers(self, *args: Any, **kwargs: Any) -> Any: ...
+    def drain(self, *args: Any, **kwargs: Any) -> Any: ...
+    def final_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 log = logging.getLogger("shoal.cli.local")
 

@@ -17,7 +17,7 @@ from shoal.proto import shoal_pb2 as pb
 from shoal.net.rpc import RETRYABLE
 
 if TYPE_CHECKING:
-    from shoal.cli.local import LocalConfig
+    from shoal.cli.local_config import LocalConfig
 
 log = logging.getLogger("shoal.cli.local")      # the supervisor's lines, as before the split
 
