@@ -272,7 +272,9 @@ class Run:
             self.own_fs = False
 
     def script_args(self) -> list[str]:
-        return ["--epochs", str(self.s.epochs), "--step-delay", "0.01", "--hidden", str(MODELS[self.s.model])]
+        # a step of at least 30 ms: with one torch thread per worker (shoal local's default since issue 36)
+        # a digits step takes a few ms, and a schedule's faults (seconds into training) came after the end
+        return ["--epochs", str(self.s.epochs), "--step-delay", "0.03", "--hidden", str(MODELS[self.s.model])]
 
     def on(self, host: str) -> list[str]:
         """The argv prefix that runs a command on ``host`` (nothing without --netns)."""

@@ -24,7 +24,7 @@ import math
 from enum import Enum
 from typing import Callable
 
-from shoal.errors import EXIT_ROLLBACK, EXIT_FAILED
+from shoal.errors import EXIT_CHECKPOINT_FAILED, EXIT_FAILED, EXIT_ROLLBACK
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class JobLifecycle:
             return Ending(f"{done}, final checkpoint step {ck.committed_step}")
         if ck.failures >= FINAL_CHECKPOINT_ATTEMPTS:
             return Ending(f"{done} but the final checkpoint failed {ck.failures} times ({ck.error})",
-                          EXIT_FAILED)
+                          EXIT_CHECKPOINT_FAILED)
         return None                  # waiting for the final checkpoint
 
     def _end(self, ending: Ending) -> None:

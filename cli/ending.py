@@ -66,12 +66,12 @@ def finish(cluster: "LocalCluster", started: float, decide_s: float = DECIDE_S) 
         codes = cluster.wait_workers()
         cluster.drain()
         seconds = time.monotonic() - started
-        stats = cluster.job_stats()
         shards = cluster.shard_report()
         replicas = cluster.replica_report()
         final_step = None
         if cluster.cfg.checkpoint_dir and shards is not None:    # the job ends once its final state is saved
             final_step = cluster.final_checkpoint(max((sh.get("version", 0) for sh in shards["shards"]), default=0))
+        stats = cluster.job_stats()      # after the final checkpoint: its failure is part of the result
         again = read_again(cluster, rollbacks, stats, shards, decide_s)
         if again is None:
             return Ending(codes, seconds, stats, shards, replicas, final_step)

@@ -44,7 +44,8 @@ _TOP_FILES = ("__init__.py",)                  # of shoal/ itself
 
 # the public surface the API reference shows: module -> the names whose docstrings must exist
 API_SURFACE = {
-    "shoal.worker": ("DistributedOptimizer", "DistributedSampler", "Trainer", "ShardedEmbedding", "ShardedEmbeddingBag",
+    "shoal.worker": ("distribute", "DistributedOptimizer", "DistributedSampler", "Trainer", "ShardedEmbedding",
+                     "ShardedEmbeddingBag",
                      "table_options"),
     "shoal.worker.optimizer": ("_Distributed",),      # what DistributedOptimizer returns
 }

@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import logging
 import sys
+import threading
 from typing import Iterator, Sized
 
 import torch
@@ -106,6 +107,7 @@ class DistributedSampler(Sampler[int]):
         feed = self._attach()
         if epoch >= self.epochs:
             self._past_the_end(epoch, feed)
+            return
         self._next = epoch + 1
         self._settle_unstepped()
         first, self._iterated = not self._iterated, True
@@ -135,6 +137,7 @@ class DistributedSampler(Sampler[int]):
                 break
         if not (yielded or partial) and feed.ended.is_set():
             self._job_over(epoch, feed)          # only the end of the job's data leaves an iteration empty
+            return
         yield from self._hand_out_short(partial, feed)
         if epoch == self.epochs - 1 and not early:
             self._last_iteration_over(feed)
@@ -160,11 +163,14 @@ class DistributedSampler(Sampler[int]):
 
     def _job_over(self, epoch: int, feed: TaskFeed) -> None:
         """The job's data is done and this worker's loop asks for more: as in a job whose every epoch is
-        trained, the worker leaves and the process ends with exit 0."""
+        trained, the worker leaves and the process ends with exit 0. A loop run in another thread than the
+        main one (a program that trains beside other work, or several trainers in one process) is not the
+        process's to end: its iteration ends empty instead, the trainer closed."""
         log.info("the job's data is %s (%d epoch(s)): nothing left for this worker's loop (its epoch %d); "
                  "leaving the job", "done" if feed.ended.is_set() else "handed out", self.epochs, epoch)
         self._trainer.close()
-        raise SystemExit(0)
+        if threading.current_thread() is threading.main_thread():
+            raise SystemExit(0)
 
     def _last_iteration_over(self, feed: TaskFeed) -> None:
         """The job's last epoch is over here, and the user's loop with it: a task that reached this worker

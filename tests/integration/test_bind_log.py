@@ -10,8 +10,8 @@ def test_a_chief_bound_to_every_interface_says_so(caplog):
     caplog.set_level(logging.INFO, logger="shoal.chief.server")
     chief = ChiefServer(JobConfig(), bind="0.0.0.0:0").start()
     try:
-        line = next(r.getMessage() for r in caplog.records if "chief serving on" in r.getMessage())
-        assert line.startswith(f"chief serving on 0.0.0.0:{chief.port} ")
+        line = next(r.getMessage() for r in caplog.records if " serving on " in r.getMessage())
+        assert f" serving on 0.0.0.0:{chief.port} " in line and line.startswith("chief of job ")
         assert chief.address == f"127.0.0.1:{chief.port}"      # where local clients dial it, unchanged
     finally:
         chief.stop(grace_s=0.1)
