@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian tools the tests use, when missing (docker-compose for
-# validating the compose file, iproute2 for the network-namespace tests).
+# validating the compose file, iproute2 for the network-namespace tests, promtool
+# from prometheus for checking the alert rules).
 set -euo pipefail
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   echo "setup: missing ${need[*]} (install them; the tests that need them will be skipped)" >&2
