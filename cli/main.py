@@ -45,7 +45,7 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                    help="update guard: a push may carry a learning rate of at most this times the job's (default 10)")
     p.add_argument("--grad-norm-factor", type=float, default=None,
                    help="update guard: a push's gradient norm at most this times the shard's running median "
-                        "(default 10; 0: off)")
+                        "(default 100; 0: off)")
     p.add_argument("--grad-norm-policy", choices=GRAD_NORM_POLICY, default=None,
                    help="a push beyond --grad-norm-factor: refuse (default; the batch is trained again) or clip")
     p.add_argument("--grad-norm-warmup", type=int, default=None,

@@ -42,7 +42,7 @@ class JobConfig:
     nonfinite: str = "skip"
     # the update guard (ps/guard.py, docs/update-safety.md): what a server checks before it applies a push
     lr_factor: float = 10.0           # a push's learning rate at most this times the job's configured one
-    grad_norm_factor: float = 10.0    # a push's gradient norm at most this times the running median; 0: off
+    grad_norm_factor: float = 100.0   # a push's gradient norm at most this times the running median; 0: off
     grad_norm_policy: str = "refuse"  # beyond it: refuse (the batch is trained again) | clip (scaled down)
     grad_norm_warmup: int = 20        # accepted pushes per shard before the median is trusted
     expel_after: int = 10             # guard refusals in a row that expel a worker; 0: never

@@ -7,7 +7,7 @@ from shoal.chief.lifecycle import FINAL_CHECKPOINT_ATTEMPTS, FinalCheckpoint, Jo
 from shoal.chief.state import ChiefState
 from shoal.chief.tasks import DatasetSpec
 from shoal.settings.config import JobConfig
-from shoal.errors import EXIT_FAILED, EXIT_ROLLBACK, FailedPrecondition, JOB_FINISHED
+from shoal.errors import EXIT_CHECKPOINT_FAILED, EXIT_FAILED, EXIT_ROLLBACK, FailedPrecondition, JOB_FINISHED
 from shoal.state.layout import ModelLayout, TensorSpec
 
 
@@ -74,7 +74,7 @@ def test_the_end_waits_for_the_final_checkpoint_and_fails_when_it_cannot_be_kept
     lc.step(seen(checkpoint=FinalCheckpoint(failures=FINAL_CHECKPOINT_ATTEMPTS - 1, error="disk full")))
     assert lc.phase is Phase.RUNNING
     [line] = lc.step(seen(checkpoint=FinalCheckpoint(failures=FINAL_CHECKPOINT_ATTEMPTS, error="disk full")))
-    assert lc.ending.exit_code == EXIT_FAILED and "disk full" in lc.ending.result and "FAILED" in line
+    assert lc.ending.exit_code == EXIT_CHECKPOINT_FAILED and "disk full" in lc.ending.result and "FAILED" in line
 
 
 def test_a_stopped_job_ends_with_the_rollback_code():
