@@ -427,8 +427,8 @@ class LocalCluster:
         for group in (order, chief):  # the chief last, so members can leave cleanly
             for c in group:
                 c.terminate()
-            for c in group:
-                c.stop()
+            for c in group:     # a server's orderly leave (Leave, drain, gRPC grace) can take a few seconds
+                c.stop(grace_s=5.0 if c in self.workers() else 10.0)
 
 
 def run_local(cfg: LocalConfig, out: IO[str] = sys.stdout) -> int:

@@ -28,21 +28,24 @@ def worker_threads(workers: int, cores: int | None = None) -> int:
     return max(1, (cores if cores is not None else usable_cores()) // max(1, workers))
 
 
+_SAID: set[tuple[int, int, int]] = set()
+
+
 class WorkerThreads:
     """The environment each started worker gets (``OMP_NUM_THREADS``, read by torch at start); said once."""
 
     def __init__(self, workers: int, env: dict[str, str] | None = None):
         self.workers = workers
         self._user_set = "OMP_NUM_THREADS" in (os.environ if env is None else env)
-        self._said = False
 
     def env(self) -> dict[str, str]:
         if self._user_set:
             return {}
         cores = usable_cores()
         threads = worker_threads(self.workers, cores)
-        if not self._said:
-            self._said = True
+        said = (threads, cores, self.workers)
+        if said not in _SAID:           # once a process (shoal compare runs several local clusters)
+            _SAID.add(said)
             log.info("each worker uses %d intra-op thread(s): %d core(s) shared by %d worker(s) "
                      "(set OMP_NUM_THREADS to choose)", threads, cores, self.workers)
         return {"OMP_NUM_THREADS": str(threads)}
