@@ -15,12 +15,25 @@ import sys
 import pytest
 from localrun import DIGITS, alive
 
+import netns
 from harness import wait_until
 from shoal.cli.status import exactly_once
 
 pytestmark = pytest.mark.system
 
+WHY = netns.unavailable()
 SHOAL = [sys.executable, "-m", "shoal.cli"]
+
+
+@pytest.fixture
+def hosts():
+    if WHY:
+        pytest.skip(f"network namespaces unavailable: {WHY}")
+    h = netns.Hosts()
+    try:
+        yield h
+    finally:
+        h.remove()
 
 
 def split(hosts, a: str, b: str, on: bool) -> None:

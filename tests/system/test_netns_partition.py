@@ -14,12 +14,25 @@ import time
 import pytest
 from localrun import DIGITS, alive
 
+import netns
 from shoal.cli.status import exactly_once
 from harness import wait_until
 
 pytestmark = pytest.mark.system
 
+WHY = netns.unavailable()
 SHOAL = [sys.executable, "-m", "shoal.cli"]
+
+
+@pytest.fixture
+def hosts():
+    if WHY:
+        pytest.skip(f"network namespaces unavailable: {WHY}")
+    h = netns.Hosts()
+    try:
+        yield h
+    finally:
+        h.remove()
 
 
 def status(hosts, chief: str) -> dict:
