@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -43,11 +44,42 @@ from shoal.worker.push import GradientEncoder
 from shoal.worker.staging import Staging
 from shoal.worker.telemetry import StepClock, WorkerTelemetry, after_step
 from shoal.worker.tables import TableRouter
-from shoal.worker.stopping import _LIVE, _STOP_REQUESTED, _leave_asked, request_stop, stop_requested  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_STOP_REQUESTED = threading.Event()
+_LIVE: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+
+
+def request_stop() -> bool:
+    """Preemption (``shoal worker`` calls this on SIGTERM): every Trainer of this process hands back its
+    data task at the next batch boundary, leaves the job and ends the process with exit code 0.
+    Safe to call from a signal handler: it only sets flags. False when no Trainer is taking batches
+    (nothing would see the request: the caller should end the process itself)."""
+    _STOP_REQUESTED.set()
+    taking = False
+    for trainer in list(_LIVE):
+        feed = trainer._feed
+        if feed is not None:
+            feed.interrupt()
+            taking = True
+        elif trainer._batch_source is not None or trainer.accumulation is not None:
+            taking = True           # a DistributedOptimizer's: its next step() or iteration hands back
+    return taking
+
+
+def _leave_asked(why: str) -> None:
+    """The chief asks this worker to leave: it hands back its task and exits 0, as on SIGTERM."""
+    log.warning("the chief asks this worker to leave (%s): handing back its task at the next batch", why)
+    request_stop()
+
+
+def stop_requested() -> bool:
+    """Whether SIGTERM asked this process to leave (:func:`request_stop`): checked at batch boundaries."""
+    return _STOP_REQUESTED.is_set()
+
+
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 
